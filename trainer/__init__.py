@@ -1,0 +1,1 @@
+"""trainer: fault-tolerant, deterministic, resumable GPT training on JAX."""

@@ -1,0 +1,63 @@
+"""Command line: `python -m trainer --config FILE [--set key=value ...]` and the subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from trainer.config import Config, ConfigError, load_config
+
+SUBCOMMANDS = {
+    "survival": "trainer.survival",  # run-survival simulator
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer", description="Fault-tolerant GPT training on a device mesh.")
+    p.add_argument("--config", help="YAML file of differences from the defaults (e.g. configs/tiny.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key, e.g. --set train.steps=500 (repeatable)")
+    p.add_argument("--worker", action="store_true", help="run the training worker in this process, unsupervised")
+    return p
+
+
+def configure_devices(cfg: Config) -> None:
+    """Decide the platform and fake device count before jax initialises its backends."""
+    if cfg.mesh.cpu_devices:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", cfg.mesh.cpu_devices)
+
+
+def run_worker(cfg: Config) -> int:
+    configure_devices(cfg)
+    from trainer import distributed
+
+    distributed.initialize()
+    from trainer import loop
+
+    return loop.run(cfg)
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] in SUBCOMMANDS:
+        import importlib
+
+        return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
+    args = _parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.set)
+        if args.worker or not cfg.run.supervise:
+            return run_worker(cfg)
+        from trainer import supervisor
+
+        return supervisor.main(cfg, args.config, args.set)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,14 @@
+"""Process exit codes shared by the worker, the supervisor and the SLURM job script."""
+
+OK = 0
+CONFIG = 2  # bad input: nothing was started, the run dir is untouched
+LOCKED = 73  # another supervisor holds the run dir
+PREEMPTED = 75  # SIGTERM: checkpoint saved and durable; requeue the job
+CRASH_LOOP = 76  # the same step keeps failing: a human must look
+RESTART_BUDGET = 77  # too many restarts in total
+SPIKE = 78  # worker -> supervisor: a loss spike was detected; run the runbook
+RUNBOOK_GAVE_UP = 79  # the spike runbook spent its budget of actions
+
+NAMES = {OK: "ok", CONFIG: "config error", LOCKED: "run dir locked", PREEMPTED: "preempted",
+         CRASH_LOOP: "crash loop", RESTART_BUDGET: "restart budget spent", SPIKE: "loss spike",
+         RUNBOOK_GAVE_UP: "runbook gave up"}

@@ -1,0 +1,50 @@
+"""Device mesh from the config, and the one table mapping logical axis names to mesh axes."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from trainer.config import ConfigError, MeshConfig
+
+AXES = ("data", "fsdp", "tensor")
+
+# Logical axis -> mesh axes. Params shard their "embed" dim over fsdp and their wide dims over
+# tensor; activations shard the batch over data and fsdp. Model code names only logical axes.
+RULES = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+    ("seq", None),
+    ("act_embed", None),
+    ("norm", None),
+)
+
+
+def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
+    rest = cfg.fsdp * cfg.tensor
+    data = n_devices // rest if cfg.data == -1 else cfg.data
+    if data < 1 or data * rest != n_devices:
+        raise ConfigError(
+            f"mesh data={cfg.data} x fsdp={cfg.fsdp} x tensor={cfg.tensor} does not fit {n_devices} devices"
+        )
+    return data, cfg.fsdp, cfg.tensor
+
+
+def make_mesh(cfg: MeshConfig) -> Mesh:
+    shape = mesh_shape(cfg, jax.device_count())
+    # Order devices process-major so each process's devices form a contiguous block of the batch.
+    devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))).reshape(shape)
+    return Mesh(devices, AXES)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())

@@ -1,0 +1,54 @@
+"""The train state pytree (step, params, optimizer state, PRNG key data), created already sharded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from trainer.mesh import RULES
+from trainer.model import GPT
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """What the worker needs to build, restore and step the state."""
+
+    model: GPT
+    tx: optax.GradientTransformation
+    shardings: Any  # pytree of NamedSharding matching the state
+    abstract: Any  # pytree of ShapeDtypeStruct (with shardings) for restore targets
+    init: Callable[[], Any]  # jitted, returns a freshly initialised sharded state
+
+
+def _init_boxed(model: GPT, tx: optax.GradientTransformation, seed: int, seq_len: int):
+    key = jax.random.key(seed)
+    init_key, train_key = jax.random.split(key)
+    tokens = jnp.zeros((1, seq_len), jnp.int32)
+    params = model.init(init_key, tokens)["params"]
+    return {
+        "step": jnp.zeros((), jnp.int32),
+        "params": params,
+        "opt_state": tx.init(params),
+        # Raw key data (uint32) rather than a typed key array: plain arrays checkpoint anywhere.
+        "rng": jax.random.key_data(train_key),
+    }
+
+
+def build(model: GPT, tx: optax.GradientTransformation, mesh: Mesh, *, seed: int, seq_len: int) -> StateSpec:
+    boxed = jax.eval_shape(lambda: _init_boxed(model, tx, seed, seq_len))
+    specs = nn.get_partition_spec(boxed)
+    shardings = nn.logical_to_mesh_sharding(specs, mesh, RULES)
+    unboxed = nn.meta.unbox(boxed)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unboxed, shardings)
+    init = jax.jit(lambda: nn.meta.unbox(_init_boxed(model, tx, seed, seq_len)), out_shardings=shardings)
+    return StateSpec(model, tx, shardings, abstract, init)
+
+
+def param_count(abstract_state) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(abstract_state["params"]))
