@@ -9,9 +9,10 @@ reported and the next older one is tried.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as cm

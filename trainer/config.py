@@ -245,7 +245,8 @@ def validate(cfg: Config) -> None:
     if cfg.mesh.data == 0 or cfg.mesh.data < -1:
         raise ConfigError(f"mesh.data must be > 0 or -1 (fill), got {cfg.mesh.data}")
     if cfg.model.d_model % cfg.model.n_heads:
-        raise ConfigError(f"model.d_model ({cfg.model.d_model}) must be divisible by model.n_heads ({cfg.model.n_heads})")
+        raise ConfigError(
+            f"model.d_model ({cfg.model.d_model}) must be divisible by model.n_heads ({cfg.model.n_heads})")
     if cfg.model.compute_dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.compute_dtype must be float32 or bfloat16, got {cfg.model.compute_dtype!r}")
     if cfg.model.attention not in ("auto", "xla", "cudnn"):

@@ -7,6 +7,7 @@ metrics, so the host never waits on the device except one step behind.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import importlib.metadata
 import json
 import os
@@ -14,15 +15,20 @@ import signal
 import time
 from pathlib import Path
 
+import absl.logging
 import jax
 import numpy as np
 
-from trainer import checkpoint, data, exit_codes, mesh as mesh_lib, metrics, optim, state as state_lib
+from trainer import checkpoint, data, exit_codes, metrics, optim
+from trainer import mesh as mesh_lib
+from trainer import state as state_lib
 from trainer.config import Config, ConfigError, dump_yaml, to_dict
 from trainer.faults import FaultInjector
 from trainer.heartbeat import Heartbeat
 from trainer.model import GPT, flops_per_token
 from trainer.step import make_train_step
+
+absl.logging.set_verbosity(absl.logging.ERROR)  # Orbax's info/warnings would drown the progress line
 
 # Keys whose change makes a checkpoint meaningless for this run: refuse to resume.
 FROZEN_KEYS = ("model", "data.batch_size", "data.shuffle", "run.seed")
@@ -66,7 +72,8 @@ def check_resume(saved: dict, cfg: Config, fingerprint: str) -> list[str]:
 def validate_shapes(cfg: Config, mesh_shape: tuple[int, int, int], processes: int) -> None:
     data_par, _, tensor = mesh_shape
     if cfg.model.vocab_size < data.TOKENIZER_VOCAB:
-        raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) must be >= {data.TOKENIZER_VOCAB} (byte tokenizer)")
+        raise ConfigError(
+            f"model.vocab_size ({cfg.model.vocab_size}) must be >= {data.TOKENIZER_VOCAB} (byte tokenizer)")
     for key, v in (("model.vocab_size", cfg.model.vocab_size), ("model.n_heads", cfg.model.n_heads),
                    ("model.d_ff", cfg.model.d_ff or 4 * cfg.model.d_model)):
         if v % tensor:
@@ -105,6 +112,7 @@ class Worker:
     skips: list[int]
     n_params: int
     stop_requested: bool = False
+    stacks_file: object = None
 
 
 def _read_saved_meta(ckpt_dir: Path, cfg: Config) -> dict | None:
@@ -193,11 +201,16 @@ def _save(w: Worker, st, step: int, reason: str) -> float:
     return blocking
 
 
-def _install_sigterm(w: Worker) -> None:
+def _install_signals(w: Worker) -> None:
     def handler(signum, frame):  # finish the current step, save, exit PREEMPTED
         w.stop_requested = True
 
     signal.signal(signal.SIGTERM, handler)
+    # The supervisor sends SIGUSR1 before killing a hung worker: dump every thread's Python stack.
+    stacks = w.run_dir / "stacks"
+    stacks.mkdir(exist_ok=True)
+    w.stacks_file = open(stacks / f"worker-{os.getpid()}.txt", "w")
+    faulthandler.register(signal.SIGUSR1, file=w.stacks_file, all_threads=True)
 
 
 def _agree(flag: bool) -> bool:
@@ -212,7 +225,7 @@ def _agree(flag: bool) -> bool:
 def run(cfg: Config) -> int:
     t_start = time.time()
     w = setup(cfg)
-    _install_sigterm(w)
+    _install_signals(w)
     w.heartbeat.beat("startup", 0)
     st, start = _restore_or_init(w)
     it = data.make_iterator(cfg.data, corpus=w.corpus, seq_len=cfg.model.seq_len, steps=cfg.train.steps,

@@ -98,7 +98,7 @@ def params_sha256(params) -> str:
 
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     h = hashlib.sha256()
-    for path, leaf in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):
+    for _path, leaf in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):
         if jax.process_count() > 1:
             arr = multihost_utils.process_allgather(leaf, tiled=True)
         else:

@@ -42,7 +42,8 @@ class Block(nn.Module):
         qkv = nn.DenseGeneral((3, cfg.n_heads, K), dtype=dt, name="qkv",
                               kernel_init=P(init, ("embed", None, "heads", "head_dim")),
                               bias_init=P(nn.initializers.zeros, (None, "heads", "head_dim")))(h_BLD)
-        q_BLHK, k_BLHK, v_BLHK = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        q_BLHK, k_BLHK, v_BLHK = (nn.with_logical_constraint(qkv[:, :, i], ("batch", "seq", "heads", "head_dim"))
+                                  for i in range(3))
         o_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, is_causal=True,
                                               implementation=_attention_impl(cfg))
         o_BLD = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), dtype=dt, name="proj",

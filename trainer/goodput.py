@@ -1,0 +1,96 @@
+"""Goodput ledger: where the wall-clock time of a run went, computed from its events.jsonl.
+
+Categories: productive steps, recomputed steps (work redone after a rollback), checkpoint blocking,
+initial startup, and restart downtime (detection, backoff, process start, restore, compile, and
+work lost in the step that was running when a worker died). No jax here: the supervisor uses it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CATEGORIES = ("productive", "recompute", "checkpoint", "startup", "restart")
+
+
+def read_events(path: Path) -> list[dict]:
+    if not Path(path).is_file():
+        return []
+    out = []
+    with open(path) as fh:
+        for line in fh:
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # a line torn by a kill mid-write
+                continue
+    return out
+
+
+def _sessions(events: list[dict], t_end: float) -> list[tuple[float, float, list[dict]]]:
+    """Split the history at each supervisor start; time between sessions (queued job) is not ours."""
+    sessions, cur = [], None
+    for e in events:
+        if e["event"] == "supervisor_start":
+            if cur:
+                sessions.append(cur)
+            cur = [e["time"], e["time"], []]
+        elif cur is not None:
+            cur[1] = e["time"]
+            cur[2].append(e)
+    if cur:
+        sessions.append(cur)
+    return [tuple(s) for s in sessions]
+
+
+def ledger(events: list[dict], t_start: float, t_end: float) -> dict:
+    secs = dict.fromkeys(CATEGORIES, 0.0)
+    best = 0
+    recoveries, wall = [], 0.0
+    sessions = _sessions(events, t_end)
+    for i, (s0, s1, evs) in enumerate(sessions):
+        if i == len(sessions) - 1:
+            s1 = max(s1, t_end)
+        wall += s1 - s0
+        first_step_t, fail_t, last_step_t = None, None, None
+        for e in evs:
+            kind = e["event"]
+            if kind in ("run_complete", "stopped", "preempted") and last_step_t is not None and "by" not in e:
+                secs["checkpoint"] += e["time"] - last_step_t  # waiting for the final save to be durable
+                last_step_t = None
+            if kind == "step":
+                last_step_t = e["time"]
+                block = e.get("ckpt_block_s", 0.0)
+                secs["checkpoint"] += block
+                secs["recompute" if e["step"] <= best else "productive"] += max(e["step_s"] - block, 0.0)
+                best = max(best, e["step"])
+                if first_step_t is None:
+                    first_step_t = e["time"] - e["step_s"]
+                if fail_t is not None:
+                    recoveries.append(e["time"] - fail_t)
+                    fail_t = None
+            elif kind == "worker_exit" and e.get("exit_code", 1) not in (0, 75):
+                fail_t = e["time"]
+            elif kind == "hang_detected":
+                fail_t = e["time"]
+        if first_step_t is not None and i == 0:
+            secs["startup"] += first_step_t - s0
+    accounted = sum(v for k, v in secs.items() if k != "restart")
+    secs["restart"] = max(wall - accounted, 0.0)
+    total = sum(secs.values()) or 1.0
+    return {
+        "goodput": {"fractions": {k: v / total for k, v in secs.items()}, "seconds": secs},
+        "recoveries_s": recoveries,
+        "wall_s": wall,
+    }
+
+
+def to_tensorboard(logdir: Path, led: dict, restarts: int, step: int) -> None:
+    from tensorboardX import SummaryWriter
+
+    w = SummaryWriter(str(logdir))
+    for k, v in led["goodput"]["fractions"].items():
+        w.add_scalar(f"goodput/{k}_fraction", v, step)
+    for k, v in led["goodput"]["seconds"].items():
+        w.add_scalar(f"goodput/{k}_s", v, step)
+    w.add_scalar("goodput/restarts", restarts, step)
+    w.close()

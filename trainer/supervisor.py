@@ -1,0 +1,267 @@
+"""The supervisor: runs the worker process, detects crashes, hangs and preemption, restarts it from
+the last checkpoint, and keeps the goodput ledger. It never imports jax, so it stays small, starts
+fast and survives whatever the accelerator stack does to the worker.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainer import exit_codes, goodput, heartbeat
+from trainer.config import Config
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child: the kernel sends SIGKILL when the supervisor dies, even by SIGKILL."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class Events:
+    """Supervisor events; held back until the worker has accepted the config, so that a bad
+    config never writes into an existing run dir."""
+
+    def __init__(self, path: Path):
+        self._path, self._held, self._fh = path, [], None
+
+    def write(self, event: str, step: int | None = None, **fields) -> None:
+        rec = {"event": event, "time": time.time(), **({"step": step} if step is not None else {}),
+               "by": "supervisor", **fields}
+        if self._fh:
+            self._fh.write(json.dumps(rec) + "\n")
+        else:
+            self._held.append(rec)
+
+    def open(self) -> None:
+        if self._fh is None:
+            self._fh = open(self._path, "a", buffering=1)
+            for rec in self._held:
+                self._fh.write(json.dumps(rec) + "\n")
+            self._held = []
+
+
+@dataclass
+class Attempt:
+    number: int
+    proc: subprocess.Popen
+    started: float
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=30))
+    hang: bool = False
+
+
+class Supervisor:
+    def __init__(self, cfg: Config, argv: list[str]):
+        self.cfg, self.sc = cfg, cfg.supervisor
+        self.run_dir = Path(cfg.run.dir)
+        self.worker_argv = [sys.executable, "-m", "trainer", "--worker", *argv]
+        self.events = Events(self.run_dir / "events.jsonl")
+        self.stop_signal: int | None = None
+        self.accepted = False  # the worker got past config validation at least once
+
+    # --- worker lifecycle -------------------------------------------------------------------
+    def _start(self, number: int) -> Attempt:
+        log_dir = self.run_dir / "logs"
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TRAINER_ATTEMPT=str(number))
+        proc = subprocess.Popen(self.worker_argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=_die_with_parent, start_new_session=True)
+        att = Attempt(number, proc, time.time())
+        threading.Thread(target=self._pump, args=(att, log_dir), daemon=True).start()
+        self.events.write("worker_start", pid=proc.pid, attempt=number)
+        return att
+
+    def _pump(self, att: Attempt, log_dir: Path) -> None:
+        """Copy worker output to our stderr and a per-attempt log; keep a tail for error messages."""
+        log = None
+        for raw in iter(att.proc.stdout.readline, b""):
+            line = raw.decode(errors="replace")
+            sys.stderr.write(line)
+            att.tail.append(line.rstrip("\n"))
+            if log is None and self.accepted:
+                log_dir.mkdir(parents=True, exist_ok=True)
+                log = open(log_dir / f"worker-{att.number}.log", "a")
+                log.writelines(t + "\n" for t in att.tail)
+            elif log:
+                log.write(line)
+        if log:
+            log.close()
+
+    def _timeout(self, phase: str) -> float:
+        sc = self.sc
+        return {"startup": sc.startup_timeout_s, "compile": sc.startup_timeout_s, "restore": sc.restore_timeout_s,
+                "checkpoint": sc.checkpoint_timeout_s, "done": sc.checkpoint_timeout_s}.get(phase, sc.step_timeout_s)
+
+    def _check_hang(self, att: Attempt) -> bool:
+        hb = heartbeat.read(heartbeat.heartbeat_path(self.run_dir, 0))
+        if hb is None or hb.get("pid") != att.proc.pid:
+            phase, since, step = "startup", att.started, None
+        else:
+            phase, since, step = hb["phase"], hb["time"], hb["step"]
+        silent = time.time() - since
+        if silent <= self._timeout(phase):
+            return False
+        self.events.open()
+        self.events.write("hang_detected", step=step, pid=att.proc.pid, phase=phase, silent_s=silent,
+                          timeout_s=self._timeout(phase))
+        self._dump_stacks(att)
+        att.hang = True
+        _kill_group(att.proc, signal.SIGKILL)
+        return True
+
+    def _dump_stacks(self, att: Attempt) -> None:
+        """The worker registered faulthandler on SIGUSR1: ask for its Python stacks before the kill."""
+        stacks = self.run_dir / "stacks" / f"worker-{att.proc.pid}.txt"
+        try:
+            os.kill(att.proc.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return
+        deadline = time.time() + 3
+        while time.time() < deadline and not (stacks.is_file() and stacks.stat().st_size):
+            time.sleep(0.1)
+        if stacks.is_file() and stacks.stat().st_size:
+            self.events.write("stacks_dumped", path=str(stacks))
+
+    def _wait(self, att: Attempt) -> int:
+        """Block until the worker exits; returns its code (negative = killed by that signal)."""
+        while True:
+            try:
+                return att.proc.wait(timeout=self.sc.poll_s)
+            except subprocess.TimeoutExpired:
+                pass
+            if not self.accepted and _ready(self.run_dir, att.proc.pid):
+                self.accepted = True
+                self.events.open()
+            if self.stop_signal is not None:
+                _kill_group(att.proc, signal.SIGTERM)
+                self.stop_signal = -1  # forwarded once; now wait for the save
+            if self.accepted and self._check_hang(att):
+                return att.proc.wait()
+
+    # --- policy -----------------------------------------------------------------------------
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        t0 = time.time()
+        self.events.write("supervisor_start", pid=os.getpid())
+        same_step_failures, restarts, last_fail_step = 0, 0, "unset"
+        number = 0
+        while True:
+            number += 1
+            att = self._start(number)
+            code = self._wait(att)
+            step = _last_step(self.run_dir)
+            self.events.write("worker_exit", step=step, pid=att.proc.pid, attempt=number,
+                              **({"signal": signal.Signals(-code).name} if code < 0 else {"exit_code": code}))
+            if code == exit_codes.CONFIG and not self.accepted:
+                return exit_codes.CONFIG
+            self.events.open()
+            self.accepted = True
+            if code == exit_codes.OK:
+                return self._complete(t0, restarts)
+            if code == exit_codes.PREEMPTED or self.stop_signal is not None:
+                self.events.write("preempted", step=step)
+                print(f"supervisor: preempted at step {step}; checkpoint saved. Re-run the same command "
+                      f"(or requeue the job) to resume.", file=sys.stderr)
+                self._write_ledger(t0, restarts)
+                return exit_codes.PREEMPTED
+            if code == exit_codes.CONFIG:
+                return exit_codes.CONFIG
+            reason = "hang" if att.hang else f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            # A crash loop is the same step failing again and again; random faults land elsewhere.
+            same_step_failures = same_step_failures + 1 if step == last_fail_step else 1
+            last_fail_step = step
+            if same_step_failures >= self.sc.crash_loop_restarts:
+                return self._give_up(exit_codes.CRASH_LOOP, step, reason, att, t0, restarts)
+            if restarts >= self.sc.max_restarts:
+                return self._give_up(exit_codes.RESTART_BUDGET, step, reason, att, t0, restarts)
+            delay = min(self.sc.backoff_s * 2 ** (same_step_failures - 1), self.sc.backoff_max_s)
+            restarts += 1
+            self.events.write("restart", step=step, reason=reason, attempt=number + 1, backoff_s=delay)
+            print(f"supervisor: worker failed ({reason}) at step {step}; restarting in {delay:.1f}s "
+                  f"(restart {restarts}/{self.sc.max_restarts})", file=sys.stderr)
+            time.sleep(delay)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = signum
+
+    def _give_up(self, code: int, step, reason: str, att: Attempt, t0: float, restarts: int) -> int:
+        what = "crash loop" if code == exit_codes.CRASH_LOOP else "restart budget spent"
+        last = "\n".join(list(att.tail)[-10:])
+        self.events.write("gave_up", step=step, reason=what, last_error=reason, restarts=restarts)
+        self._write_ledger(t0, restarts)
+        print(f"supervisor: giving up ({what}): the worker keeps failing at step {step} ({reason}) "
+              f"after {restarts} restarts. Last worker output:\n{last}", file=sys.stderr)
+        return code
+
+    def _complete(self, t0: float, restarts: int) -> int:
+        self.events.write("run_complete", step=_last_step(self.run_dir), restarts=restarts)
+        self._write_ledger(t0, restarts)
+        return exit_codes.OK
+
+    def _write_ledger(self, t0: float, restarts: int) -> None:
+        ledger = goodput.ledger(goodput.read_events(self.run_dir / "events.jsonl"), t0, time.time())
+        path = self.run_dir / "summary.json"
+        summary = json.loads(path.read_text()) if path.is_file() else {}
+        summary.update(goodput=ledger["goodput"], restarts=restarts, recoveries_s=ledger["recoveries_s"],
+                       wall_s=ledger["wall_s"])
+        path.write_text(json.dumps(summary, indent=1))
+        goodput.to_tensorboard(self.run_dir / "tb", ledger, restarts, _last_step(self.run_dir) or 0)
+
+
+def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _ready(run_dir: Path, pid: int) -> bool:
+    hb = heartbeat.read(heartbeat.heartbeat_path(run_dir, 0))
+    return bool(hb and hb.get("pid") == pid)  # the worker writes heartbeats only after validating
+
+
+def _last_step(run_dir: Path) -> int | None:
+    hb = heartbeat.read(heartbeat.heartbeat_path(run_dir, 0))
+    return hb["step"] if hb else None
+
+
+def _lock(run_dir: Path) -> int | None:
+    """flock on the run dir itself: released by the kernel when the holder dies, so a stale lock
+    from a dead supervisor is simply taken over."""
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def main(cfg: Config, config_path: str | None, overrides: list[str]) -> int:
+    run_dir = Path(cfg.run.dir)
+    created = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = _lock(run_dir)
+    if fd is None:
+        print(f"error: run.dir {run_dir} is in use by another supervisor; wait for it or pick another run.dir",
+              file=sys.stderr)
+        return exit_codes.LOCKED
+    argv = (["--config", config_path] if config_path else []) + [a for o in overrides for a in ("--set", o)]
+    sup = Supervisor(cfg, argv)
+    code = sup.run()
+    if code == exit_codes.CONFIG and created and not sup.accepted:
+        shutil.rmtree(run_dir, ignore_errors=True)  # leave no trace of a run that never started
+    return code
