@@ -113,6 +113,10 @@ class Worker:
     n_params: int
     stop_requested: bool = False
     stacks_file: object = None
+    save_requested: str = ""  # a monitor asked for a checkpoint now (e.g. rising ECC count)
+    spike: dict | None = None  # a monitor found a loss spike: exit SPIKE for the runbook
+    # Observers of each step's metrics: objects with on_step(step, rec) -> Action | None.
+    monitors: list = dataclasses.field(default_factory=list)
 
 
 def _read_saved_meta(ckpt_dir: Path, cfg: Config) -> dict | None:
@@ -213,13 +217,15 @@ def _install_signals(w: Worker) -> None:
     faulthandler.register(signal.SIGUSR1, file=w.stacks_file, all_threads=True)
 
 
-def _agree(flag: bool) -> bool:
-    """All processes must stop (or save) together: any process's request wins."""
+def _agree(flags: list[bool]) -> list[bool]:
+    """All processes must stop, save or rewind together: any process's request wins. One small
+    host collective per step carries every flag."""
     if jax.process_count() == 1:
-        return flag
+        return flags
     from jax.experimental import multihost_utils
 
-    return bool(np.max(multihost_utils.process_allgather(np.array([flag], np.int32))))
+    gathered = multihost_utils.process_allgather(np.array(flags, np.int32))
+    return [bool(v) for v in np.max(gathered.reshape(-1, len(flags)), axis=0)]
 
 
 def run(cfg: Config) -> int:
@@ -272,11 +278,15 @@ def _train(w: Worker, step_fn, it, st, start: int) -> int:
         if pending:
             loss, t_prev = _emit(w, pending, t_prev, tokens_per_step, fpt, peak, progress)
         pending = (step, m, data_wait, 0.0)
-        stop = _agree(w.stop_requested)
-        timed = cfg.checkpoint.every_minutes and time.time() - last_save_t >= 60 * cfg.checkpoint.every_minutes
-        if stop or step == stop_at or (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) \
-                or _agree(bool(timed)):
-            reason = "preempt" if stop else "final" if step == stop_at else "periodic"
+        timed = bool(cfg.checkpoint.every_minutes) and time.time() - last_save_t >= 60 * cfg.checkpoint.every_minutes
+        spike, stop, asked, timed = _agree([w.spike is not None, w.stop_requested, bool(w.save_requested), timed])
+        if spike:
+            return _spike_exit(w)
+        periodic = cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0
+        if stop or asked or timed or periodic or step == stop_at:
+            reason = ("preempt" if stop else "final" if step == cfg.train.steps else "stop" if step == stop_at
+                      else w.save_requested or "requested" if asked else "periodic")
+            w.save_requested = ""
             pending = pending[:3] + (_save(w, st, step, reason),)
             last_save_t = time.time()
         if stop:
@@ -296,6 +306,15 @@ def _train(w: Worker, step_fn, it, st, start: int) -> int:
     return exit_codes.OK
 
 
+def _spike_exit(w: Worker) -> int:
+    """Leave without saving: the state after a spike is what the runbook rewinds away from."""
+    w.events.write("spike_exit", step=(w.spike or {}).get("step"), **{k: v for k, v in (w.spike or {}).items()
+                                                                     if k not in ("do", "step")})
+    w.ckpt.close()  # let saves of earlier, good steps finish
+    w.events.close()
+    return exit_codes.SPIKE
+
+
 def _emit(w: Worker, pending, t_prev: float, tokens_per_step: int, fpt: float, peak: float, progress):
     step, m, data_wait, ckpt_s = pending
     m = {k: float(v) for k, v in jax.device_get(m).items()}
@@ -306,6 +325,10 @@ def _emit(w: Worker, pending, t_prev: float, tokens_per_step: int, fpt: float, p
     if peak:
         rec["mfu"] = tps * fpt / peak
     w.events.write("step", step=step, **rec)
+    for mon in w.monitors:
+        action = mon.on_step(step, rec)
+        if action is not None:
+            _act(w, step, action)
     if step % w.cfg.log.every_steps == 0:
         w.scalars.add(step, {
             "loss/train": m["loss"], "optim/grad_norm": m["grad_norm"], "optim/update_norm": m["update_norm"],
@@ -315,6 +338,14 @@ def _emit(w: Worker, pending, t_prev: float, tokens_per_step: int, fpt: float, p
         })
         progress.update(step, m["loss"], tps, dt)
     return m["loss"], now
+
+
+def _act(w: Worker, step: int, action: dict) -> None:
+    """Monitors answer with {"do": "checkpoint_now" | "spike", ...}; the loop carries it out."""
+    if action["do"] == "checkpoint_now":
+        w.save_requested = action.get("reason", "requested")
+    elif action["do"] == "spike":
+        w.spike = dict(action, step=step)
 
 
 def _finish(w: Worker, st, step: int, loss: float) -> None:

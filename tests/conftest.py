@@ -1,0 +1,81 @@
+"""Shared test helpers: a micro config for fast real runs, and readers for a run dir's outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+# The tiny config shrunk further so a real run of a few dozen steps takes seconds on 2 cores.
+MICRO = [
+    "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.seq_len=64",
+    "data.batch_size=16", "train.steps=30", "optim.warmup_steps=5", "log.every_steps=5",
+    "checkpoint.every_steps=10", "log.progress=false", "data.default_corpus_mb=1",
+]
+
+
+def sets(*overrides: str) -> list[str]:
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def trainer_cmd(run_dir: Path, *overrides: str, worker: bool = False, config: str = TINY) -> list[str]:
+    return [sys.executable, "-m", "trainer", "--config", config,
+            *sets(*MICRO, f"run.dir={run_dir}", *overrides), *(["--worker"] if worker else [])]
+
+
+def run_trainer(run_dir: Path, *overrides: str, worker: bool = False, timeout: float = 600,
+                check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(trainer_cmd(run_dir, *overrides, worker=worker), cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=test_env())
+    if check and proc.returncode != 0:
+        raise AssertionError(f"trainer exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def test_env() -> dict[str, str]:
+    return dict(os.environ, PYTHONUNBUFFERED="1")
+
+
+def events(run_dir: Path) -> list[dict]:
+    out = []
+    for line in (Path(run_dir) / "events.jsonl").read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def step_losses(run_dir: Path) -> dict[int, list[float]]:
+    """Every loss logged for every step, across all attempts (a recomputed step logs twice)."""
+    out: dict[int, list[float]] = {}
+    for e in events(run_dir):
+        if e["event"] == "step":
+            out.setdefault(e["step"], []).append(e["loss"])
+    return out
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory):
+    """One uninterrupted micro run (unsupervised) that the fault tests compare against, by mesh."""
+    cache: dict[tuple, Path] = {}
+
+    def get(*overrides: str) -> Path:
+        if overrides not in cache:
+            d = tmp_path_factory.mktemp("reference")
+            run_trainer(d, *overrides, worker=True)
+            cache[overrides] = d
+        return cache[overrides]
+
+    return get
