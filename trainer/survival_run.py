@@ -1,0 +1,73 @@
+"""Reads the measured checkpoint stall, restart downtime and healthy MFU of a trainer run dir (`survival --from-run`).
+
+Stdlib only: the checkpoint policy reaches it through trainer.survival, which must stay import-light.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def _nonneg(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def _events(path: Path, notes: list[str]) -> Iterator[dict[str, Any]]:
+    """Parsed lines of events.jsonl, streamed (long runs log many steps); unreadable lines are counted, not fatal."""
+    if not path.is_file():
+        notes.append(f"no {path.name}")
+        return
+    bad = 0
+    with path.open(errors="replace") as f:
+        for line in f:
+            try:
+                ev = json.loads(line)
+            except json.JSONDecodeError:
+                bad += bool(line.strip())
+                continue
+            if isinstance(ev, dict):
+                yield ev
+    if bad:
+        notes.append(f"skipped {bad} unreadable lines in {path.name}")
+
+
+def _restart_from_summary(path: Path) -> tuple[float | None, str]:
+    try:
+        summary = json.loads(path.read_text())
+        seconds = summary["goodput"]["seconds"]["restart"]
+        restarts = summary["restarts"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, f"no usable goodput.seconds.restart / restarts in {path.name}"
+    if not (_nonneg(seconds) and _nonneg(restarts)) or restarts <= 0:
+        return None, f"{path.name} records no restarts"
+    return seconds / restarts, f"restart: {seconds:.0f} s over {restarts} restarts in {path.name}"
+
+
+def load_run(run_dir: Path) -> tuple[dict[str, float], list[str]]:
+    """Measured stall_s / restart_s / mfu from RUN_DIR; pieces that are absent are left out and noted."""
+    found: dict[str, float] = {}
+    notes: list[str] = []
+    blocking: list[float] = []
+    mfus: list[float] = []
+    for ev in _events(run_dir / "events.jsonl", notes):
+        if ev.get("event") == "checkpoint_saved" and _nonneg(ev.get("blocking_s")):
+            blocking.append(float(ev["blocking_s"]))
+        elif ev.get("event") == "step" and _nonneg(ev.get("mfu")) and 0 < ev["mfu"] <= 1:
+            mfus.append(float(ev["mfu"]))
+    # Medians: the first save and the steps after a restart include compilation and warm-up.
+    if blocking:
+        found["stall_s"] = statistics.median(blocking)
+        notes.append(f"stall: median blocking_s of {len(blocking)} checkpoint_saved events")
+    if mfus:
+        found["mfu"] = statistics.median(mfus)
+        notes.append(f"mfu: median of {len(mfus)} step events")
+    restart_s, note = _restart_from_summary(run_dir / "summary.json")
+    if restart_s is not None:
+        found["restart_s"] = restart_s
+    notes.append(note)
+    return found, notes
