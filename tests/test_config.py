@@ -1,0 +1,86 @@
+"""Config: shipped configs build models of their stated size; bad input fails cleanly with exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from conftest import ROOT, run_trainer, sets, child_env, trainer_cmd
+from trainer.config import ConfigError, load_config
+from trainer.model import GPT
+
+# Stated sizes (millions of parameters) of every shipped config.
+STATED = {"tiny.yaml": 1.9, "gpt2-124m.yaml": 124, "gpt-1b.yaml": 1000, "gpt-7b.yaml": 6700}
+
+
+def test_every_shipped_config_parses_and_has_its_stated_size():
+    shipped = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+    assert shipped == sorted(STATED), "a config was added or removed: state its size here"
+    for name, millions in STATED.items():
+        cfg = load_config(str(ROOT / "configs" / name))
+        tokens = jnp.zeros((1, cfg.model.seq_len), jnp.int32)
+        shapes = jax.eval_shape(lambda c=cfg, t=tokens: GPT(c.model).init(jax.random.key(0), t))
+        n = sum(x.size for x in jax.tree.leaves(shapes)) / 1e6
+        assert abs(n - millions) / millions < 0.05, f"{name}: {n:.1f}M params, stated {millions}M"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.widht=3", "unknown config key 'model.widht'"),
+    ("train.steps=ten", "train.steps: expected an integer"),
+    ("model.d_model=0", "model.d_model must be > 0"),
+    ("data.batch_size=-4", "data.batch_size must be > 0"),
+    ("log.tensorboard=maybe", "log.tensorboard: expected true/false"),
+    ("model.compute_dtype=fp8", "model.compute_dtype must be float32 or bfloat16"),
+])
+def test_bad_overrides_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        load_config(str(ROOT / "configs" / "tiny.yaml"), [override])
+
+
+def _tree_state(d: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(d.rglob("*"))}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=child_env())
+
+
+def test_bad_input_exits_2_with_one_line_and_leaves_the_run_dir_untouched(tmp_path):
+    run = tmp_path / "run"
+    run_trainer(run, "train.steps=10", "checkpoint.every_steps=5", worker=True)
+    before = _tree_state(run)
+    cases = [
+        (trainer_cmd(run, "model.nope=1")[3:], "unknown config key 'model.nope'"),
+        (trainer_cmd(run, "train.steps=abc")[3:], "train.steps: expected an integer"),
+        (trainer_cmd(run, "model.n_layers=-1")[3:], "model.n_layers must be > 0"),
+        (["--config", str(tmp_path / "missing.yaml"), *sets(f"run.dir={run}")], "config file not found"),
+        (trainer_cmd(run, f"data.path={tmp_path}/no_such_corpus")[3:], "data.path not found"),
+        # Incompatible resume: a different model shape, under the supervisor and unsupervised.
+        (trainer_cmd(run, "model.d_model=96", "model.n_heads=4")[3:], "cannot resume"),
+        (trainer_cmd(run, "model.d_model=96", worker=True)[3:], "cannot resume"),
+        (trainer_cmd(run, "data.batch_size=32")[3:], "data.batch_size changed"),
+    ]
+    for args, message in cases:
+        proc = _cli(*args)
+        assert proc.returncode == 2, (args, proc.stderr[-2000:])
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (args, proc.stderr)
+        assert "Traceback" not in proc.stderr
+        assert _tree_state(run) == before, f"{args} changed the run dir"
+
+
+def test_harmless_change_resumes_and_is_logged(tmp_path):
+    run = tmp_path / "run"
+    run_trainer(run, "train.steps=10", "checkpoint.every_steps=5", worker=True)
+    run_trainer(run, "train.steps=12", "checkpoint.every_steps=5", worker=True)
+    from conftest import events
+
+    changed = [e for e in events(run) if e["event"] == "config_changed"]
+    assert any("'steps': 12" in e["change"] for e in changed)
+    assert [e["step"] for e in events(run) if e["event"] == "restore"] == [10]

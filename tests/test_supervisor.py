@@ -1,0 +1,162 @@
+"""Supervisor: real worker processes killed, hung, stopped and preempted with real signals; the run
+always ends with the bytes of an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+
+from conftest import ROOT, child_env, events, run_trainer, step_losses, summary, trainer_cmd
+from trainer import exit_codes
+
+LONG = ["train.steps=60"]  # long enough to be killed several times
+
+
+def _heartbeat(run: Path) -> dict | None:
+    try:
+        return json.loads((run / "heartbeat" / "worker-0.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _start(run: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(trainer_cmd(run, *overrides), cwd=ROOT, env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(pred, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _worker_at(run: Path, min_step: int, phase: str = "step", not_pid: int | None = None) -> dict:
+    def ok():
+        hb = _heartbeat(run)
+        return hb if hb and hb["phase"] == phase and hb["step"] >= min_step and hb["pid"] != not_pid else None
+    return _wait_for(ok, 180, f"worker at step >= {min_step} in phase {phase}")
+
+
+def _assert_same_as_reference(run: Path, ref: Path) -> None:
+    assert summary(run)["params_sha256"] == summary(ref)["params_sha256"]
+    losses, ref_losses = step_losses(run), step_losses(ref)
+    assert sorted(losses) == sorted(ref_losses)
+    for step, seen in losses.items():  # a recomputed step logs its loss again: it must be identical
+        assert set(seen) == set(ref_losses[step]), (step, seen, ref_losses[step])
+
+
+def test_chaos_sigkill_at_random_moments_including_mid_checkpoint(tmp_path, reference_run):
+    ref = reference_run(*LONG)
+    run = tmp_path / "run"
+    rng = random.Random(1234)
+    sup = _start(run, *LONG, "faults=[{kind: crash_mid_save, step: 35}]")
+    killed = []
+    # Three outside kills: at random steps, and one right after a checkpoint save started (its async
+    # write is still in flight), plus the built-in crash in the middle of the step-40 save.
+    for target, phase in ((rng.randint(3, 9), "step"), (20, "checkpoint"), (rng.randint(45, 55), "step")):
+        hb = _worker_at(run, target, phase, not_pid=killed[-1] if killed else None)
+        os.kill(hb["pid"], signal.SIGKILL)
+        killed.append(hb["pid"])
+    out, err = sup.communicate(timeout=600)
+    assert sup.returncode == 0, err[-3000:]
+    exits = [e for e in events(run) if e["event"] == "worker_exit"]
+    assert [e.get("signal") for e in exits].count("SIGKILL") == 3
+    assert any(e.get("exit_code") == 13 for e in exits)  # the mid-save crash
+    _assert_same_as_reference(run, ref)
+    s = summary(run)
+    assert s["restarts"] == 4 and len(s["recoveries_s"]) == 4
+    assert abs(sum(s["goodput"]["fractions"].values()) - 1) < 1e-9
+    assert s["goodput"]["seconds"]["recompute"] > 0 and s["goodput"]["seconds"]["restart"] > 0
+    print("recoveries_s", s["recoveries_s"], "goodput", s["goodput"])
+
+
+def test_hangs_are_detected_dumped_and_recovered(tmp_path, reference_run):
+    ref = reference_run()
+    run = tmp_path / "run"
+    sup = _start(run, "faults=[{kind: hang, step: 8}]", "supervisor.step_timeout_s=4")
+    # The injected hang first; then a SIGSTOP from outside on the restarted worker.
+    first = _worker_at(run, 8)
+    second = _worker_at(run, 18, not_pid=first["pid"])
+    os.kill(second["pid"], signal.SIGSTOP)
+    stopped_at = time.time()
+    out, err = sup.communicate(timeout=600)
+    assert sup.returncode == 0, err[-3000:]
+    hangs = [e for e in events(run) if e["event"] == "hang_detected"]
+    assert [h["pid"] for h in hangs] == [first["pid"], second["pid"]]
+    assert all(4 <= h["silent_s"] <= 4 + 3 for h in hangs), hangs
+    assert hangs[1]["time"] - stopped_at <= 4 + 3
+    stacks = (run / "stacks" / f"worker-{first['pid']}.txt").read_text()
+    assert "faults.py" in stacks and "before_step" in stacks  # where the injected hang sleeps
+    _assert_same_as_reference(run, ref)
+
+
+def test_sigkill_to_the_supervisor_leaves_no_worker_and_rerun_resumes(tmp_path, reference_run):
+    ref = reference_run()
+    run = tmp_path / "run"
+    sup = _start(run)
+    hb = _worker_at(run, 15)
+    _wait_for(lambda: (run / "checkpoints" / "10").is_dir(), 60, "checkpoint 10 to be committed")
+    sup.kill()
+    sup.wait()
+    _wait_for(lambda: not psutil.pid_exists(hb["pid"]) or psutil.Process(hb["pid"]).status() == "zombie",
+              10, "worker to die with its supervisor")
+    run_trainer(run)
+    restores = [e["step"] for e in events(run) if e["event"] == "restore"]
+    assert restores and restores[-1] >= 10
+    _assert_same_as_reference(run, ref)
+
+
+def test_sigterm_saves_and_exits_with_the_requeue_code(tmp_path, reference_run):
+    ref = reference_run()
+    run = tmp_path / "run"
+    sup = _start(run, "checkpoint.every_steps=100")
+    _worker_at(run, 12)
+    sup.send_signal(signal.SIGTERM)
+    out, err = sup.communicate(timeout=300)
+    assert sup.returncode == exit_codes.PREEMPTED, err[-2000:]
+    saved = [e for e in events(run) if e["event"] == "checkpoint_saved"]
+    assert saved and saved[-1]["reason"] == "preempt"
+    assert "preempted at step" in err
+    run_trainer(run, "checkpoint.every_steps=100")
+    assert [e["step"] for e in events(run) if e["event"] == "restore"] == [saved[-1]["step"]]
+    _assert_same_as_reference(run, ref)
+
+
+def test_a_crash_loop_gives_up_with_the_step_and_the_last_error(tmp_path):
+    run = tmp_path / "run"
+    t0 = time.time()
+    proc = run_trainer(run, "faults=[{kind: crash, step: 12, repeat: true}]", "supervisor.backoff_s=0.2",
+                       check=False, timeout=300)
+    assert proc.returncode == exit_codes.CRASH_LOOP, proc.stderr[-2000:]
+    assert "crash loop" in proc.stderr and "at step 12" in proc.stderr and "exit code 13" in proc.stderr
+    assert time.time() - t0 < 120
+    assert [e["event"] for e in events(run)][-1] == "gave_up"
+
+
+def test_a_second_supervisor_on_the_same_run_dir_is_refused(tmp_path):
+    run = tmp_path / "run"
+    sup = _start(run)
+    _worker_at(run, 1)
+    second = run_trainer(run, check=False, timeout=60)
+    assert second.returncode == exit_codes.LOCKED and "in use by another supervisor" in second.stderr
+    sup.kill()
+    sup.wait()
+
+
+def test_restart_uses_the_compilation_cache(tmp_path):
+    run = tmp_path / "run"
+    cache = tmp_path / "jax-cache"
+    run_trainer(run, f"run.compile_cache={cache}", "faults=[{kind: crash, step: 15}]")
+    compiles = [e["seconds"] for e in events(run) if e["event"] == "compiled"]
+    assert len(compiles) == 2 and compiles[1] < 0.5 * compiles[0], compiles
