@@ -33,13 +33,13 @@ def trainer_cmd(run_dir: Path, *overrides: str, worker: bool = False, config: st
 def run_trainer(run_dir: Path, *overrides: str, worker: bool = False, timeout: float = 600,
                 check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(trainer_cmd(run_dir, *overrides, worker=worker), cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=test_env())
+                          text=True, timeout=timeout, env=child_env())
     if check and proc.returncode != 0:
         raise AssertionError(f"trainer exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc
 
 
-def test_env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
     return dict(os.environ, PYTHONUNBUFFERED="1")
 
 

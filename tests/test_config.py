@@ -9,8 +9,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import ROOT, child_env, run_trainer, sets, trainer_cmd
 
-from conftest import ROOT, run_trainer, sets, child_env, trainer_cmd
 from trainer.config import ConfigError, load_config
 from trainer.model import GPT
 

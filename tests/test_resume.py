@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import run_trainer, step_losses, summary
 
 MESHES = {

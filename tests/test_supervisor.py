@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import psutil
-
 from conftest import ROOT, child_env, events, run_trainer, step_losses, summary, trainer_cmd
+
 from trainer import exit_codes
 
 LONG = ["train.steps=60"]  # long enough to be killed several times

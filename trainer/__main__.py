@@ -10,6 +10,9 @@ from trainer.config import Config, ConfigError, load_config
 
 SUBCOMMANDS = {
     "survival": "trainer.survival",  # run-survival simulator
+    "status": "trainer.status",  # one-screen health summary of a running or finished run
+    "report": "trainer.report",  # PNG plots + report.md of a run into RUN_DIR/report/
+    "audit": "trainer.audit",  # prove exactly-once data consumption from a run dir
 }
 
 
@@ -35,7 +38,7 @@ def run_worker(cfg: Config) -> int:
     configure_devices(cfg)
     from trainer import distributed
 
-    distributed.initialize()
+    distributed.initialize(cfg.launch, cpu=bool(cfg.mesh.cpu_devices))
     from trainer import loop
 
     return loop.run(cfg)

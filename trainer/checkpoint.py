@@ -30,7 +30,7 @@ class Restored:
     meta: dict
 
 
-def _preservation(cfg: CheckpointConfig, pinned: Callable[[], set[int]] | None):
+def _preservation(cfg: CheckpointConfig, pinned: Callable[[list[int]], set[int]] | None):
     policies: list = [cm.LatestN(cfg.keep_latest)]
     if cfg.keep_every:
         policies.append(cm.EveryNSteps(cfg.keep_every))
@@ -40,19 +40,46 @@ def _preservation(cfg: CheckpointConfig, pinned: Callable[[], set[int]] | None):
 
 
 class _Pinned(cm.PreservationPolicy):
-    """Keeps steps someone else needs (the runbook's last-known-good checkpoint)."""
+    """Keeps steps someone else needs (the runbook's last-known-good checkpoint and rewind target): the
+    callable gets the steps that exist, newest included, and returns those to keep."""
 
-    def __init__(self, pinned: Callable[[], set[int]]):
+    def __init__(self, pinned: Callable[[list[int]], set[int]]):
         self._pinned = pinned
 
     def should_preserve(self, checkpoints, *, context):
-        keep = self._pinned()
+        keep = self._pinned(sorted(c.step for c in checkpoints))
         return [c.step in keep for c in checkpoints]
+
+
+class SavePolicy:
+    """When to save: every N steps and/or every M minutes. M = "auto" re-derives the interval after
+    each save from the measured blocking time and the failure rate of the cluster (run-survival model)."""
+
+    def __init__(self, cfg: CheckpointConfig, *, devices: int, restart_s: float):
+        self._cfg, self._devices, self._restart_s = cfg, cfg.auto_devices or devices, restart_s
+        self.minutes = 0.0 if cfg.every_minutes == "auto" else float(cfg.every_minutes)
+        self._last = time.time()
+
+    def due(self, step: int) -> tuple[bool, bool]:
+        """(periodic by steps, due by time)."""
+        by_steps = bool(self._cfg.every_steps) and step % self._cfg.every_steps == 0
+        return by_steps, bool(self.minutes) and time.time() - self._last >= 60 * self.minutes
+
+    def saved(self, blocking_s: float) -> float | None:
+        """Record a save; returns the new interval in minutes when "auto" changed it."""
+        self._last = time.time()
+        if self._cfg.every_minutes != "auto":
+            return None
+        from trainer.survival import recommend_interval_min
+
+        self.minutes = recommend_interval_min(stall_s=max(blocking_s, 1e-3), restart_s=self._restart_s,
+                                              gpus=self._devices, mtbf_hours=self._cfg.mtbf_hours)
+        return self.minutes
 
 
 class Checkpointer:
     def __init__(self, directory: Path, cfg: CheckpointConfig, *,
-                 pinned: Callable[[], set[int]] | None = None, read_only: bool = False):
+                 pinned: Callable[[list[int]], set[int]] | None = None, read_only: bool = False):
         options = ocp.CheckpointManagerOptions(
             preservation_policy=None if read_only else _preservation(cfg, pinned),
             enable_async_checkpointing=cfg.async_save,
@@ -94,9 +121,26 @@ class Checkpointer:
                 ))
             except Exception as e:  # a torn or corrupt checkpoint: fall back to the previous one
                 on_error(step, e)
+                self._quarantine(step)
                 continue
             return Restored(step, out["state"], out["data"], out["meta"])
         return None
+
+    def _quarantine(self, step: int) -> None:
+        """Move an unreadable checkpoint aside (kept for a post-mortem), so that the resumed run can
+        write that step again."""
+        import jax
+
+        src = Path(self.manager.directory) / str(step)
+        if jax.process_index() == 0 and src.exists():
+            dst = src.parent.parent / "unreadable_checkpoints" / f"{step}-{int(time.time())}"
+            dst.parent.mkdir(exist_ok=True)
+            src.rename(dst)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"quarantine-{step}")
+        self.manager.reload()
 
     def close(self) -> None:
         self.manager.wait_until_finished()

@@ -84,7 +84,9 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     every_steps: int = 50  # 0 = no step-based saves
-    every_minutes: float = 0.0  # 0 = no time-based saves
+    every_minutes: float | str = 0.0  # 0 = no time-based saves; "auto" = derive from stall and failure rate
+    mtbf_hours: float = 50000.0  # per-device MTBF assumed by "auto"
+    auto_devices: int = 0  # cluster size "auto" optimises for (0 = this run's device count)
     keep_latest: int = 3
     keep_every: int = 0  # also keep every Nth step forever (0 = off)
     async_save: bool = True
@@ -96,15 +98,20 @@ class LogConfig:
     tensorboard: bool = True
     progress: bool = True  # console progress line
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = look up the GPU table
+    health: bool = True  # hardware-health collector and run alerts (off only to measure their cost)
+    health_every_s: float = 5.0  # seconds between hardware-health samples (background thread)
+    report: bool = True  # write RUN_DIR/report/ (PNG plots + report.md) when a run ends
 
 
 @dataclass
 class Fault:
-    kind: str  # crash | hang | crash_mid_save | slow | signal
+    kind: str  # crash | hang | crash_mid_save | slow | signal | ecc | nan | spike
     step: int
     seconds: float = 0.0  # slow: extra seconds per step
-    count: int = 1  # slow: how many steps
+    count: int = 1  # slow: how many steps; ecc: simulated ECC errors added per step from `step` on
     signal: str = "SIGKILL"  # signal: which one the worker sends itself
+    scale: float = 1000.0  # spike: multiply the LR by this for the one update at `step`
+    repeat: bool = False  # fire on every attempt (a deterministic bug), not just once
 
 
 @dataclass
@@ -121,6 +128,48 @@ class SupervisorConfig:
 
 
 @dataclass
+class LaunchConfig:
+    processes: int = 1  # worker processes (one per host on GPUs); >1 forms a jax.distributed group
+    mode: str = "local"  # local: N subprocesses on this machine | slurm: one srun step on the allocation
+    processes_per_node: int = 1  # slurm: tasks per node (several emulate hosts on one node)
+    min_processes: int = 0  # slurm: with no spare node left, shrink down to this many (0 = never shrink)
+    coordinator_port: int = 0  # 0 = local: a free port, slurm: from the job id; the attempt number is added
+    init_timeout_s: int = 300  # how long processes wait for each other in jax.distributed.initialize
+    exit_grace_s: float = 30.0  # after one process exits cleanly, how long the others get to follow
+
+
+@dataclass
+class AlertsConfig:
+    grad_window: int = 50  # grad-norm trend: compare the median of the last N steps with the N before
+    grad_rise: float = 2.0  # ... and alert when it grew by this factor
+    throughput_window: int = 50  # throughput: baseline = median tokens/s of the last N healthy steps
+    throughput_drop: float = 0.7  # alert when recent tokens/s falls below this fraction of the baseline
+    throughput_steps: int = 5  # ... as the median of this many consecutive steps (one slow step is noise)
+    ecc_rise: int = 1  # new ECC errors between two health samples that mean "rising": checkpoint now
+    overdue_fraction: float = 0.5  # supervisor alerts when heartbeat silence passes this part of the timeout
+
+
+@dataclass
+class RunbookConfig:
+    enabled: bool = True  # detect loss spikes; the run then rewinds, skips, softens or gives up by itself
+    window: int = 128  # rolling window (steps) of loss and grad-norm statistics
+    warmup_steps: int = 100  # no statistical detection before this step (the fast early drop); NaN/Inf always
+    min_history: int = 32  # steps in the window needed before judging (after a fresh start)
+    loss_sigma: float = 6.0  # spike: loss > window mean + loss_sigma * std ...
+    loss_min_rise: float = 0.1  # ... and > mean * (1 + loss_min_rise): a near-constant window is not a hair trigger
+    grad_sigma: float = 6.0  # spike: grad norm > window mean + grad_sigma * std ...
+    grad_min_rise: float = 1.0  # ... and > mean * (1 + grad_min_rise)
+    grad_sustain: int = 2  # ... for this many steps in a row (lone grad-norm blips that clipping absorbs are normal)
+    onset_sigma: float = 3.0  # steps right before a spike above this many sigma belong to it (where it began)
+    probe_steps: int = 16  # after a spike, read up to this many more batches with updates frozen to find its end
+    recur_distance: int = 100  # a spike within this many steps of an earlier action is a recurrence: soften
+    lr_factor: float = 0.5  # soften: multiply the peak LR by this
+    clip_factor: float = 0.5  # soften: multiply the gradient-clipping norm by this
+    b2: float = 0.0  # soften: also set Adam b2 to this value (0 = leave b2 alone)
+    max_actions: int = 5  # rewinds (skip or soften) before giving up with exit code 79
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -131,6 +180,9 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    runbook: RunbookConfig = field(default_factory=RunbookConfig)
+    alerts: AlertsConfig = field(default_factory=AlertsConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     faults: list[Fault] = field(default_factory=list)
 
 
@@ -238,12 +290,21 @@ def validate(cfg: Config) -> None:
               "model.n_heads", "data.batch_size", "train.steps", "optim.lr", "optim.clip_norm",
               "log.every_steps", "data.read_threads", "data.default_corpus_mb")
     _positive(cfg, "model.d_ff", "optim.warmup_steps", "train.stop_at_step", "checkpoint.every_steps",
-              "checkpoint.every_minutes", "checkpoint.keep_every", "mesh.cpu_devices",
+              "checkpoint.keep_every", "checkpoint.auto_devices", "mesh.cpu_devices",
               "log.peak_flops", "data.prefetch", "supervisor.max_restarts", allow_zero=True)
     _positive(cfg, "checkpoint.keep_latest", "mesh.fsdp", "mesh.tensor",
-              "supervisor.crash_loop_restarts", "supervisor.step_timeout_s", "supervisor.poll_s")
+              "supervisor.crash_loop_restarts", "supervisor.step_timeout_s", "supervisor.poll_s",
+              "log.health_every_s", "alerts.grad_window", "alerts.grad_rise", "alerts.throughput_window",
+              "alerts.throughput_steps", "alerts.ecc_rise", "alerts.overdue_fraction")
+    if not 0.0 < cfg.alerts.throughput_drop < 1.0:
+        raise ConfigError(f"alerts.throughput_drop must be in (0, 1), got {cfg.alerts.throughput_drop}")
+    if not 0.0 < cfg.alerts.overdue_fraction < 1.0:
+        raise ConfigError(f"alerts.overdue_fraction must be in (0, 1), got {cfg.alerts.overdue_fraction}")
+    if cfg.alerts.grad_rise <= 1.0:
+        raise ConfigError(f"alerts.grad_rise must be > 1 (a growth factor), got {cfg.alerts.grad_rise}")
     if cfg.mesh.data == 0 or cfg.mesh.data < -1:
         raise ConfigError(f"mesh.data must be > 0 or -1 (fill), got {cfg.mesh.data}")
+    _validate_interval(cfg)
     if cfg.model.d_model % cfg.model.n_heads:
         raise ConfigError(
             f"model.d_model ({cfg.model.d_model}) must be divisible by model.n_heads ({cfg.model.n_heads})")
@@ -264,6 +325,57 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"faults[{i}].kind must be one of {', '.join(KINDS)}, got {f.kind!r}")
         if f.step < 0:
             raise ConfigError(f"faults[{i}].step must be >= 0, got {f.step}")
+    _validate_launch(cfg.launch)
+    _validate_runbook(cfg.runbook)
+
+
+def _validate_runbook(rc: RunbookConfig) -> None:
+    for key in ("window", "min_history", "loss_sigma", "grad_sigma", "grad_sustain", "onset_sigma", "max_actions"):
+        if getattr(rc, key) <= 0:
+            raise ConfigError(f"runbook.{key} must be > 0, got {getattr(rc, key)}")
+    for key in ("warmup_steps", "probe_steps", "recur_distance", "loss_min_rise", "grad_min_rise"):
+        if getattr(rc, key) < 0:
+            raise ConfigError(f"runbook.{key} must be >= 0, got {getattr(rc, key)}")
+    if rc.min_history > rc.window:
+        raise ConfigError(f"runbook.min_history ({rc.min_history}) must be <= runbook.window ({rc.window})")
+    if rc.onset_sigma > min(rc.loss_sigma, rc.grad_sigma):
+        raise ConfigError(f"runbook.onset_sigma ({rc.onset_sigma}) must be <= loss_sigma and grad_sigma")
+    for key in ("lr_factor", "clip_factor"):
+        if not 0.0 < getattr(rc, key) <= 1.0:
+            raise ConfigError(f"runbook.{key} must be in (0, 1], got {getattr(rc, key)}")
+    if not (rc.b2 == 0.0 or 0.0 < rc.b2 < 1.0):
+        raise ConfigError(f"runbook.b2 must be 0 (unchanged) or in (0, 1), got {rc.b2}")
+
+
+def _validate_launch(lc: LaunchConfig) -> None:
+    if lc.mode not in ("local", "slurm"):
+        raise ConfigError(f"launch.mode must be local or slurm, got {lc.mode!r}")
+    if lc.processes < 1 or lc.processes_per_node < 1 or lc.init_timeout_s < 1:
+        raise ConfigError(f"launch.processes ({lc.processes}), launch.processes_per_node ({lc.processes_per_node})"
+                          f" and launch.init_timeout_s ({lc.init_timeout_s}) must be >= 1")
+    if lc.processes % lc.processes_per_node:
+        raise ConfigError(f"launch.processes ({lc.processes}) must be a multiple of launch.processes_per_node"
+                          f" ({lc.processes_per_node})")
+    if not 0 <= lc.min_processes <= lc.processes:
+        raise ConfigError(f"launch.min_processes must be in [0, launch.processes={lc.processes}], "
+                          f"got {lc.min_processes}")
+    if not (lc.coordinator_port == 0 or 1024 <= lc.coordinator_port <= 64000):
+        raise ConfigError(f"launch.coordinator_port must be 0 (pick one) or in [1024, 64000], "
+                          f"got {lc.coordinator_port}")
+
+
+def _validate_interval(cfg: Config) -> None:
+    m = cfg.checkpoint.every_minutes
+    if isinstance(m, str) and m != "auto":
+        try:
+            m = float(m)
+        except ValueError:
+            raise ConfigError(f"checkpoint.every_minutes must be a number of minutes or 'auto', got {m!r}") from None
+    if not isinstance(m, str) and (isinstance(m, bool) or m < 0):
+        raise ConfigError(f"checkpoint.every_minutes must be >= 0 or 'auto', got {m!r}")
+    cfg.checkpoint.every_minutes = m
+    if cfg.checkpoint.mtbf_hours <= 0:
+        raise ConfigError(f"checkpoint.mtbf_hours must be > 0, got {cfg.checkpoint.mtbf_hours}")
 
 
 def to_dict(cfg: Config) -> dict:

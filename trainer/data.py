@@ -158,13 +158,21 @@ def make_iterator(cfg: DataConfig, *, corpus: Corpus, seq_len: int, steps: int, 
     """A checkpointable grain iterator over this process's slice of each step's global batch."""
     if cfg.batch_size % processes:
         raise ConfigError(f"data.batch_size ({cfg.batch_size}) must divide evenly over {processes} processes")
-    windows = grain.MapDataset.source(TokenWindows(corpus.tokens_path, seq_len))
+    windows = TokenWindows(corpus.tokens_path, seq_len)
     if len(windows) < 1:
         raise ConfigError(f"corpus {corpus.source} is shorter than one window of {seq_len + 1} tokens")
+    # Sample g reads window order[g] (a fresh permutation per epoch); elements carry it for the data audit.
+    order = grain.MapDataset.range(len(windows))
     if cfg.shuffle:
-        windows = windows.shuffle(seed=seed % 2**32)
+        order = order.shuffle(seed=seed % 2**32)
+    n = len(windows)
     plan = grain.MapDataset.source(StepPlan(steps=steps, global_batch=cfg.batch_size, process=process,
                                             processes=processes, skips=skips))
-    batches = plan.map(lambda ids: {"ids": ids, "tokens": np.stack([windows[int(g)] for g in ids])})
+
+    def read(ids: np.ndarray) -> dict:
+        win = np.array([order[int(g)] if cfg.shuffle else int(g) % n for g in ids], dtype=np.int64)
+        return {"ids": ids, "windows": win, "tokens": np.stack([windows[int(i)] for i in win])}
+
+    batches = plan.map(read)
     opts = grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=cfg.prefetch)
     return iter(batches.to_iter_dataset(opts))

@@ -14,15 +14,18 @@ from pathlib import Path
 
 from trainer.config import Fault
 
-KINDS = ("crash", "hang", "crash_mid_save", "slow", "signal")
+KINDS = ("crash", "hang", "crash_mid_save", "slow", "signal", "ecc", "nan", "spike")
 CRASH_EXIT = 13
 
 
 class FaultInjector:
     def __init__(self, faults: list[Fault], run_dir: Path, *, enabled: bool = True):
-        self._faults = list(enumerate(faults)) if enabled else []
+        self._all = list(enumerate(faults))
+        self._faults = self._all if enabled else []
+        self._writer = enabled  # nan/spike change the train state: every process applies them, one records
         self._path = Path(run_dir) / "faults_fired.json"
         self._fired = set(json.loads(self._path.read_text())) if self._path.is_file() else set()
+        self._ecc_from: dict[int, tuple[int, int]] = {}  # id(fault) -> (first step, errors per step)
 
     def _pending(self, kind: str, step: int, *, open_ended: bool = False) -> Fault | None:
         for i, f in self._faults:
@@ -32,7 +35,11 @@ class FaultInjector:
         return None
 
     def _record(self, fault: Fault) -> None:
-        self._fired.add(next(i for i, f in self._faults if f is fault))
+        if fault.repeat:
+            return
+        self._fired.add(next(i for i, f in self._all if f is fault))
+        if not self._writer:
+            return
         with open(self._path, "w") as fh:
             json.dump(sorted(self._fired), fh)
             fh.flush()
@@ -40,6 +47,9 @@ class FaultInjector:
 
     def before_step(self, step: int) -> None:
         """Called with the step about to run."""
+        if (f := self._pending("ecc", step, open_ended=True)) and id(f) not in self._ecc_from:
+            self._record(f)
+            self._ecc_from[id(f)] = (step, max(f.count, 1))
         if f := self._pending("slow", step):
             if step == f.step + max(f.count, 1) - 1:
                 self._record(f)
@@ -54,6 +64,20 @@ class FaultInjector:
             self._record(f)
             while True:  # a hung collective looks like this from the outside: alive, no progress
                 time.sleep(3600)
+
+    def ecc_errors(self, step: int) -> int:
+        """Simulated ECC count at `step`, rising from the ecc fault's step on (read by the health collector
+        thread: a plain read of what before_step set)."""
+        return sum((step - first + 1) * rate for first, rate in list(self._ecc_from.values()) if step >= first)
+
+    def lr_scale(self, step: int, base: float) -> float:
+        """The LR scale for the update about to run at `step`: nan poisons it (the params become NaN, like a
+        numerical blow-up), spike multiplies it by the fault's scale (a too-hot LR for one update)."""
+        for i, f in self._all:
+            if f.kind in ("nan", "spike") and f.step == step and i not in self._fired:
+                self._record(f)
+                return float("nan") if f.kind == "nan" else base * f.scale
+        return base
 
     def after_save_started(self, step: int) -> None:
         """Called right after an async save was started for `step`: die while it is being written."""

@@ -8,6 +8,7 @@ work lost in the step that was running when a worker died). No jax here: the sup
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 CATEGORIES = ("productive", "recompute", "checkpoint", "startup", "restart")
@@ -87,7 +88,8 @@ def ledger(events: list[dict], t_start: float, t_end: float) -> dict:
 def to_tensorboard(logdir: Path, led: dict, restarts: int, step: int) -> None:
     from tensorboardX import SummaryWriter
 
-    w = SummaryWriter(str(logdir))
+    # Its own file suffix: two writers opened in the same second would otherwise share a file name.
+    w = SummaryWriter(str(logdir), filename_suffix=f".goodput{int(time.time() * 1e6)}")
     for k, v in led["goodput"]["fractions"].items():
         w.add_scalar(f"goodput/{k}_fraction", v, step)
     for k, v in led["goodput"]["seconds"].items():

@@ -24,7 +24,9 @@ class Heartbeat:
         self._tmp = self.path.with_suffix(f".tmp{os.getpid()}")
 
     def beat(self, phase: str, step: int) -> None:
-        self._tmp.write_text(json.dumps({"phase": phase, "step": step, "time": time.time(), "pid": os.getpid()}))
+        # "launch" names the attempt (set by the supervisor), so a stale file from an old attempt never counts.
+        self._tmp.write_text(json.dumps({"phase": phase, "step": step, "time": time.time(), "pid": os.getpid(),
+                                         "launch": os.environ.get("TRAINER_LAUNCH_ID", "")}))
         os.replace(self._tmp, self.path)
 
 

@@ -19,7 +19,8 @@ import absl.logging
 import jax
 import numpy as np
 
-from trainer import checkpoint, data, exit_codes, metrics, optim
+from trainer import alerts, checkpoint, data, exit_codes, metrics, optim, runbook
+from trainer import audit as audit_lib
 from trainer import mesh as mesh_lib
 from trainer import state as state_lib
 from trainer.config import Config, ConfigError, dump_yaml, to_dict
@@ -115,8 +116,12 @@ class Worker:
     stacks_file: object = None
     save_requested: str = ""  # a monitor asked for a checkpoint now (e.g. rising ECC count)
     spike: dict | None = None  # a monitor found a loss spike: exit SPIKE for the runbook
+    hold: bool = False  # a spike is being probed: updates frozen (LR scale 0), no saves
+    hyperparams: dict = dataclasses.field(default_factory=dict)  # the runbook's lr_scale, clip_norm, b2
+    lr_scale_now: float = 1.0  # the LR scale in the device state (hold and nan/spike faults change it)
     # Observers of each step's metrics: objects with on_step(step, rec) -> Action | None.
     monitors: list = dataclasses.field(default_factory=list)
+    audit: audit_lib.AuditLog | None = None  # data.audit: every step's global sample ids, per process
 
 
 def _read_saved_meta(ckpt_dir: Path, cfg: Config) -> dict | None:
@@ -141,31 +146,34 @@ def setup(cfg: Config) -> Worker:
     run_dir.mkdir(parents=True, exist_ok=True)
     setup_compile_cache(cfg.run.compile_cache)
     events = metrics.EventLog(run_dir / "events.jsonl", enabled=primary)
-    if primary:
-        (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    rb = runbook.RunbookState.load(run_dir, cfg.optim)
+    if primary:  # as trained: with the runbook's softened LR, clip and b2, if it softened them
+        (run_dir / "config.yaml").write_text(dump_yaml(runbook.softened_config(cfg, rb)))
     for c in changes:
         events.write("config_changed", change=c)
     mesh = mesh_lib.make_mesh(cfg.mesh)
     model = GPT(cfg.model)
     tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
     spec = state_lib.build(model, tx, mesh, seed=cfg.run.seed, seq_len=cfg.model.seq_len)
-    runbook = _read_runbook(run_dir)
     scalars = metrics.Scalars(run_dir / "tb", enabled=primary and cfg.log.tensorboard)
     if primary and not saved:
         scalars.text("config", "```\n" + dump_yaml(cfg) + "\n```")
-    return Worker(
+        scalars.hparams(to_dict(cfg), metric_tags=("loss/train", "throughput/tokens_per_s", "throughput/mfu"))
+    w = Worker(
         cfg=cfg, run_dir=run_dir, primary=primary, corpus=corpus, mesh=mesh, spec=spec,
-        ckpt=checkpoint.Checkpointer(ckpt_dir, cfg.checkpoint, pinned=lambda: set(runbook.get("pinned", []))),
+        ckpt=checkpoint.Checkpointer(ckpt_dir, cfg.checkpoint, pinned=lambda steps: runbook.retention_pins(
+            steps, window=cfg.runbook.window if cfg.runbook.enabled else None, pinned=rb.pinned)),
         events=events, scalars=scalars, heartbeat=Heartbeat(run_dir, jax.process_index()),
-        faults=FaultInjector(cfg.faults, run_dir, enabled=primary), skips=runbook.get("skips", []),
-        n_params=state_lib.param_count(spec.abstract),
+        faults=FaultInjector(cfg.faults, run_dir, enabled=primary), skips=rb.skips,
+        n_params=state_lib.param_count(spec.abstract), hyperparams=rb.hyperparams(), lr_scale_now=rb.lr_scale,
     )
-
-
-def _read_runbook(run_dir: Path) -> dict:
-    """Runbook state written by the supervisor: skipped batches, softened hyperparameters."""
-    p = run_dir / "runbook.json"
-    return json.loads(p.read_text()) if p.is_file() else {}
+    # Dashboard: grad-norm trend, throughput drop, hardware health (ECC rising -> checkpoint now), markers.
+    w.monitors += alerts.build(cfg, run_dir=run_dir, events=events, scalars=scalars, faults=w.faults)
+    if cfg.runbook.enabled:
+        w.monitors.append(runbook.SpikeDetector(
+            cfg.runbook, log=events.write, batch_of=lambda s: data.batch_index(s - 1, w.skips),
+            stop_step=cfg.train.stop_at_step or cfg.train.steps, events_path=run_dir / "events.jsonl"))
+    return w
 
 
 def _restore_or_init(w: Worker):
@@ -234,10 +242,16 @@ def run(cfg: Config) -> int:
     _install_signals(w)
     w.heartbeat.beat("startup", 0)
     st, start = _restore_or_init(w)
+    st = optim.set_hyperparams(st, w.hyperparams)  # runbook.json wins over what the checkpoint holds
     it = data.make_iterator(cfg.data, corpus=w.corpus, seq_len=cfg.model.seq_len, steps=cfg.train.steps,
                             seed=cfg.run.seed, process=jax.process_index(), processes=jax.process_count(),
                             skips=w.skips)
     it.set_state({"next_index": start})
+    if cfg.data.audit:
+        w.audit = audit_lib.AuditLog(
+            w.run_dir, process=jax.process_index(), processes=jax.process_count(), start=start, skips=w.skips,
+            global_batch=cfg.data.batch_size, epoch_windows=len(data.TokenWindows(w.corpus.tokens_path,
+                                                                                 cfg.model.seq_len)))
     bsh = mesh_lib.batch_sharding(w.mesh)
     sched = optim.schedule(cfg.optim, cfg.train.steps)
     step_fn = make_train_step(w.spec, bsh, mesh_lib.replicated(w.mesh), sched)
@@ -250,6 +264,10 @@ def run(cfg: Config) -> int:
     code = _train(w, compiled, it, st, start)
     w.events.close()
     w.scalars.close()
+    if w.primary and cfg.log.report and "TRAINER_ATTEMPT" not in os.environ:  # unsupervised: no one else will
+        from trainer import report
+
+        report.write_safely(w.run_dir)
     return code
 
 
@@ -261,7 +279,7 @@ def _train(w: Worker, step_fn, it, st, start: int) -> int:
     progress = metrics.Progress(cfg.train.steps, cfg.log.progress and w.primary)
     bsh = mesh_lib.batch_sharding(w.mesh)
     stop_at = cfg.train.stop_at_step or cfg.train.steps
-    last_save_t = time.time()
+    policy = checkpoint.SavePolicy(cfg.checkpoint, devices=jax.device_count(), restart_s=_measured_restart_s(w.run_dir))
     pending = None  # (step number, metrics future, data wait s, ckpt blocking s) read one step late
     t_prev = time.perf_counter()
     loss = float("nan")
@@ -273,26 +291,32 @@ def _train(w: Worker, step_fn, it, st, start: int) -> int:
         local = next(it)
         batch = jax.make_array_from_process_local_data(bsh, local["tokens"])
         data_wait = time.perf_counter() - t_data
+        if w.audit:
+            w.audit.record(step, local)
+        st = _set_lr_scale(w, st, step)
         st, m = step_fn(st, batch)
         step += 1
         if pending:
             loss, t_prev = _emit(w, pending, t_prev, tokens_per_step, fpt, peak, progress)
         pending = (step, m, data_wait, 0.0)
-        timed = bool(cfg.checkpoint.every_minutes) and time.time() - last_save_t >= 60 * cfg.checkpoint.every_minutes
-        spike, stop, asked, timed = _agree([w.spike is not None, w.stop_requested, bool(w.save_requested), timed])
+        periodic, timed = policy.due(step)
+        spike, stop, asked, timed, w.hold = _agree(
+            [w.spike is not None, w.stop_requested, bool(w.save_requested), timed, w.hold])
         if spike:
             return _spike_exit(w)
-        periodic = cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0
-        if stop or asked or timed or periodic or step == stop_at:
+        if not w.hold and (stop or asked or timed or periodic or step == stop_at):  # never save a spiked state
             reason = ("preempt" if stop else "final" if step == cfg.train.steps else "stop" if step == stop_at
                       else w.save_requested or "requested" if asked else "periodic")
             w.save_requested = ""
             pending = pending[:3] + (_save(w, st, step, reason),)
-            last_save_t = time.time()
+            if (minutes := policy.saved(pending[3])) is not None:
+                w.events.write("checkpoint_interval", step=step, minutes=minutes, blocking_s=pending[3])
         if stop:
             break
     if pending:
         loss, _ = _emit(w, pending, t_prev, tokens_per_step, fpt, peak, progress)
+    if w.spike is not None:  # a spike in the last steps: no final save, the runbook rewinds instead
+        return _spike_exit(w)
     progress.done()
     w.heartbeat.beat("checkpoint", step)
     w.ckpt.close()  # durable before we report anything as saved
@@ -341,11 +365,23 @@ def _emit(w: Worker, pending, t_prev: float, tokens_per_step: int, fpt: float, p
 
 
 def _act(w: Worker, step: int, action: dict) -> None:
-    """Monitors answer with {"do": "checkpoint_now" | "spike", ...}; the loop carries it out."""
+    """Monitors answer with {"do": "checkpoint_now" | "hold" | "spike", ...}; the loop carries it out."""
     if action["do"] == "checkpoint_now":
         w.save_requested = action.get("reason", "requested")
     elif action["do"] == "spike":
         w.spike = dict(action, step=step)
+    elif action["do"] == "hold":
+        w.hold = True
+
+
+def _set_lr_scale(w: Worker, st, step: int):
+    """While a spike is probed the updates are frozen (LR scale 0); nan/spike faults poison one update.
+    Only the scalar changes, so the compiled step is the same."""
+    want = 0.0 if w.hold else w.faults.lr_scale(step, w.hyperparams["lr_scale"])
+    if want != w.lr_scale_now:  # NaN != NaN: a nan fault is set, and the next step puts the scale back
+        st = optim.set_hyperparams(st, {"lr_scale": want})
+        w.lr_scale_now = want
+    return st
 
 
 def _finish(w: Worker, st, step: int, loss: float) -> None:
@@ -360,6 +396,13 @@ def _finish(w: Worker, st, step: int, loss: float) -> None:
         prev.write_text(json.dumps(summary, indent=1))
     w.events.write("run_complete", step=step, final_loss=loss, params_sha256=digest)
     w.heartbeat.beat("done", step)
+
+
+def _measured_restart_s(run_dir: Path) -> float:
+    """Mean recovery time of this run so far (from the supervisor's ledger), for the "auto" interval."""
+    p = run_dir / "summary.json"
+    rec = json.loads(p.read_text()).get("recoveries_s", []) if p.is_file() else []
+    return sum(rec) / len(rec) if rec else 60.0
 
 
 def _first_event_time(run_dir: Path) -> float:

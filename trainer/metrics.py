@@ -61,6 +61,25 @@ class Scalars:
         if self._w:
             self._w.add_text(tag, text, step)
 
+    def hparams(self, config: dict, metric_tags: tuple[str, ...]) -> None:
+        """The resolved config in TensorBoard's HParams tab, in this run's own log dir (tensorboardX's
+        add_hparams would open a sibling dir) so the listed metrics are this run's scalars."""
+        if not self._w:
+            return
+        from tensorboardX.summary import hparams
+
+        flat = {}
+        stack = [("", config)]
+        while stack:
+            prefix, node = stack.pop()
+            for k, v in node.items():
+                if isinstance(v, dict):
+                    stack.append((f"{prefix}{k}.", v))
+                else:
+                    flat[prefix + k] = v if isinstance(v, (bool, int, float, str)) else json.dumps(v)
+        for summary in hparams(flat, dict.fromkeys(metric_tags, 0.0)):
+            self._w.file_writer.add_summary(summary)
+
     def close(self) -> None:
         if self._w:
             self._w.close()

@@ -7,6 +7,7 @@ loss-spike runbook can soften them on resume without a new compile, and they are
 from __future__ import annotations
 
 import jax
+import numpy as np
 import optax
 
 from trainer.config import OptimConfig
@@ -36,3 +37,16 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
         )
 
     return optax.inject_hyperparams(chain)(lr_scale=1.0, clip_norm=cfg.clip_norm, b2=cfg.b2)
+
+
+def set_hyperparams(state: dict, values: dict[str, float]) -> dict:
+    """The train state with some injected hyperparameters replaced: same dtype and sharding, so the
+    compiled step runs on unchanged (the runbook's softening, fault injection)."""
+    opt = state["opt_state"]
+    hp = dict(opt.hyperparams)
+    for name, v in values.items():
+        old = hp[name]
+        # A callback per shard works for any sharding and for several processes alike.
+        full = np.full(old.shape, v, old.dtype)
+        hp[name] = jax.make_array_from_callback(old.shape, old.sharding, lambda idx, full=full: full[idx])
+    return dict(state, opt_state=opt._replace(hyperparams=hp))

@@ -6,7 +6,6 @@ fast and survives whatever the accelerator stack does to the worker.
 from __future__ import annotations
 
 import collections
-import ctypes
 import fcntl
 import json
 import os
@@ -19,15 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer import exit_codes, goodput, heartbeat
+from trainer import alerts, exit_codes, goodput, heartbeat, launcher, runbook
 from trainer.config import Config
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child: the kernel sends SIGKILL when the supervisor dies, even by SIGKILL."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class Events:
@@ -56,7 +48,7 @@ class Events:
 @dataclass
 class Attempt:
     number: int
-    proc: subprocess.Popen
+    proc: launcher.Group  # all worker processes of this attempt, behaving like one Popen
     started: float
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=30))
     hang: bool = False
@@ -70,16 +62,17 @@ class Supervisor:
         self.events = Events(self.run_dir / "events.jsonl")
         self.stop_signal: int | None = None
         self.accepted = False  # the worker got past config validation at least once
+        self.launcher = launcher.Launcher(cfg.launch)
+        self.overdue: tuple | None = None  # (pid, heartbeat time) of the silence a step_overdue alert is about
 
     # --- worker lifecycle -------------------------------------------------------------------
     def _start(self, number: int) -> Attempt:
         log_dir = self.run_dir / "logs"
         env = dict(os.environ, PYTHONUNBUFFERED="1", TRAINER_ATTEMPT=str(number))
-        proc = subprocess.Popen(self.worker_argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                preexec_fn=_die_with_parent, start_new_session=True)
+        proc = self.launcher.start(number, self.worker_argv, env)
         att = Attempt(number, proc, time.time())
         threading.Thread(target=self._pump, args=(att, log_dir), daemon=True).start()
-        self.events.write("worker_start", pid=proc.pid, attempt=number)
+        self.events.write("worker_start", pid=proc.pid, attempt=number, **self.launcher.describe())
         return att
 
     def _pump(self, att: Attempt, log_dir: Path) -> None:
@@ -103,35 +96,55 @@ class Supervisor:
         return {"startup": sc.startup_timeout_s, "compile": sc.startup_timeout_s, "restore": sc.restore_timeout_s,
                 "checkpoint": sc.checkpoint_timeout_s, "done": sc.checkpoint_timeout_s}.get(phase, sc.step_timeout_s)
 
+    def _heartbeats(self, att: Attempt) -> list[dict | None]:
+        """Each process's heartbeat from this attempt (None until it writes one)."""
+        hbs = [heartbeat.read(heartbeat.heartbeat_path(self.run_dir, i)) for i in range(att.proc.processes)]
+        return [hb if hb and hb.get("launch") == att.proc.launch_id else None for hb in hbs]
+
     def _check_hang(self, att: Attempt) -> bool:
-        hb = heartbeat.read(heartbeat.heartbeat_path(self.run_dir, 0))
-        if hb is None or hb.get("pid") != att.proc.pid:
-            phase, since, step = "startup", att.started, None
-        else:
-            phase, since, step = hb["phase"], hb["time"], hb["step"]
+        # Processes move in lockstep: one waiting in a collective for a slower peer (still compiling, say)
+        # is not hung. The group is hung once every process is overdue for its own phase.
+        beats = [(hb["phase"], hb["time"], hb["step"], i) if hb else ("startup", att.started, None, i)
+                 for i, hb in enumerate(self._heartbeats(att))]
+        phase, since, step, process = min(beats, key=lambda b: (time.time() - b[1]) / self._timeout(b[0]))
         silent = time.time() - since
+        self._warn_overdue(att, phase, since, silent, step)
         if silent <= self._timeout(phase):
             return False
         self.events.open()
         self.events.write("hang_detected", step=step, pid=att.proc.pid, phase=phase, silent_s=silent,
-                          timeout_s=self._timeout(phase))
+                          timeout_s=self._timeout(phase), process=process)
         self._dump_stacks(att)
         att.hang = True
-        _kill_group(att.proc, signal.SIGKILL)
+        att.proc.send_signal(signal.SIGKILL)
         return True
 
+    def _warn_overdue(self, att: Attempt, phase: str, since: float, silent: float, step) -> None:
+        """"No step completed for too long": an alert while there is still time to look, well before the
+        hang timeout kills the worker; cleared as soon as the heartbeat moves again."""
+        limit = self.cfg.alerts.overdue_fraction * self._timeout(phase)
+        if silent > limit and self.overdue is None:
+            self.overdue = (att.proc.pid, since)
+            meaning, action = alerts.ALERTS["step_overdue"]
+            self.events.write("alert", step=step, kind="step_overdue", phase=phase, silent_s=silent,
+                              detail=f"phase {phase}: no heartbeat for {silent:.0f}s (alert at {limit:.0f}s, "
+                                     f"killed at {self._timeout(phase):.0f}s)", meaning=meaning, runbook=action)
+        elif self.overdue is not None and self.overdue != (att.proc.pid, since):
+            self.overdue = None
+            self.events.write("alert_cleared", step=step, kind="step_overdue", detail=f"heartbeat moved ({phase})")
+
     def _dump_stacks(self, att: Attempt) -> None:
-        """The worker registered faulthandler on SIGUSR1: ask for its Python stacks before the kill."""
-        stacks = self.run_dir / "stacks" / f"worker-{att.proc.pid}.txt"
-        try:
-            os.kill(att.proc.pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            return
+        """The workers registered faulthandler on SIGUSR1: ask every process for its Python stacks before
+        the kill (under SLURM their pids are known only from their heartbeats)."""
+        pids = att.proc.worker_pids() or [hb["pid"] for hb in self._heartbeats(att) if hb]
+        att.proc.send_signal(signal.SIGUSR1)
+        files = [self.run_dir / "stacks" / f"worker-{pid}.txt" for pid in pids]
+        written = lambda f: f.is_file() and f.stat().st_size > 0
         deadline = time.time() + 3
-        while time.time() < deadline and not (stacks.is_file() and stacks.stat().st_size):
+        while time.time() < deadline and not all(map(written, files)):
             time.sleep(0.1)
-        if stacks.is_file() and stacks.stat().st_size:
-            self.events.write("stacks_dumped", path=str(stacks))
+        for f in filter(written, files):
+            self.events.write("stacks_dumped", path=str(f))
 
     def _wait(self, att: Attempt) -> int:
         """Block until the worker exits; returns its code (negative = killed by that signal)."""
@@ -140,11 +153,12 @@ class Supervisor:
                 return att.proc.wait(timeout=self.sc.poll_s)
             except subprocess.TimeoutExpired:
                 pass
-            if not self.accepted and _ready(self.run_dir, att.proc.pid):
+            if not self.accepted and _ready(self.run_dir, att.proc.launch_id):
                 self.accepted = True
                 self.events.open()
-            if self.stop_signal is not None:
-                _kill_group(att.proc, signal.SIGTERM)
+            if self.stop_signal not in (None, -1):
+                # Once only: a second SIGTERM landing while a worker exits (its handler already gone) kills it.
+                att.proc.send_signal(signal.SIGTERM)
                 self.stop_signal = -1  # forwarded once; now wait for the save
             if self.accepted and self._check_hang(att):
                 return att.proc.wait()
@@ -162,7 +176,7 @@ class Supervisor:
             att = self._start(number)
             code = self._wait(att)
             step = _last_step(self.run_dir)
-            self.events.write("worker_exit", step=step, pid=att.proc.pid, attempt=number,
+            self.events.write("worker_exit", step=step, pid=att.proc.pid, attempt=number, **att.proc.describe_exit(),
                               **({"signal": signal.Signals(-code).name} if code < 0 else {"exit_code": code}))
             if code == exit_codes.CONFIG and not self.accepted:
                 return exit_codes.CONFIG
@@ -178,6 +192,13 @@ class Supervisor:
                 return exit_codes.PREEMPTED
             if code == exit_codes.CONFIG:
                 return exit_codes.CONFIG
+            if code == exit_codes.SPIKE:  # the loss-spike runbook: rewind + skip or soften, restart at once
+                outcome = runbook.respond(self.run_dir, self.cfg, self.events.write)
+                print(f"supervisor: {outcome.message}", file=sys.stderr)
+                if outcome.action == "give_up":
+                    self._write_ledger(t0, restarts)
+                    return exit_codes.RUNBOOK_GAVE_UP
+                continue
             reason = "hang" if att.hang else f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             # A crash loop is the same step failing again and again; random faults land elsewhere.
             same_step_failures = same_step_failures + 1 if step == last_fail_step else 1
@@ -189,6 +210,7 @@ class Supervisor:
             delay = min(self.sc.backoff_s * 2 ** (same_step_failures - 1), self.sc.backoff_max_s)
             restarts += 1
             self.events.write("restart", step=step, reason=reason, attempt=number + 1, backoff_s=delay)
+            self._write_ledger(t0, restarts, final=False)
             print(f"supervisor: worker failed ({reason}) at step {step}; restarting in {delay:.1f}s "
                   f"(restart {restarts}/{self.sc.max_restarts})", file=sys.stderr)
             time.sleep(delay)
@@ -211,26 +233,27 @@ class Supervisor:
         self._write_ledger(t0, restarts)
         return exit_codes.OK
 
-    def _write_ledger(self, t0: float, restarts: int) -> None:
+    def _write_ledger(self, t0: float, restarts: int, *, final: bool = True) -> None:
+        """Goodput to TensorBoard (at each restart too, so the dashboard shows it during the run); at the
+        end of a session also into summary.json, followed by the run report."""
         ledger = goodput.ledger(goodput.read_events(self.run_dir / "events.jsonl"), t0, time.time())
+        goodput.to_tensorboard(self.run_dir / "tb", ledger, restarts, _last_step(self.run_dir) or 0)
+        if not final:
+            return
         path = self.run_dir / "summary.json"
         summary = json.loads(path.read_text()) if path.is_file() else {}
         summary.update(goodput=ledger["goodput"], restarts=restarts, recoveries_s=ledger["recoveries_s"],
                        wall_s=ledger["wall_s"])
         path.write_text(json.dumps(summary, indent=1))
-        goodput.to_tensorboard(self.run_dir / "tb", ledger, restarts, _last_step(self.run_dir) or 0)
+        if self.cfg.log.report:
+            from trainer import report  # matplotlib: loaded only when a run ends
+
+            report.write_safely(self.run_dir, self.events.write)
 
 
-def _kill_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _ready(run_dir: Path, pid: int) -> bool:
+def _ready(run_dir: Path, launch_id: str) -> bool:
     hb = heartbeat.read(heartbeat.heartbeat_path(run_dir, 0))
-    return bool(hb and hb.get("pid") == pid)  # the worker writes heartbeats only after validating
+    return bool(hb and hb.get("launch") == launch_id)  # the worker writes heartbeats only after validating
 
 
 def _last_step(run_dir: Path) -> int | None:

@@ -1,0 +1,80 @@
+"""Shared pieces of the multi-process tests (not a test module): a 2-process x 4-device micro config on
+a corpus small enough to span several epochs, and one uninterrupted reference run per test session."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import ROOT, run_trainer
+
+# A corpus of ~140 windows of 65 tokens: 30 steps x 16 sequences cross three epoch boundaries, so the
+# audit proves exactly-once per epoch, not just "no repeats in 2% of an epoch".
+WORDS = "the a data step shard host mesh save restore loss batch epoch window token seed order".split()
+
+# Same global batch and global device count (8) whatever the process count.
+TWO = ["launch.processes=2", "mesh.cpu_devices=4"]
+ONE = ["launch.processes=1", "mesh.cpu_devices=8"]
+
+_reference: dict[str, Path] = {}
+
+
+def small_corpus(directory: Path) -> Path:
+    path = Path(directory) / "corpus.txt"
+    if not path.is_file():
+        rng = random.Random(0)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(" ".join(rng.choice(WORDS) for _ in range(1600)))
+    return path
+
+
+def group_overrides(corpus: Path, *more: str) -> list[str]:
+    return [f"data.path={corpus}", f"data.cache_dir={corpus.parent / 'cache'}", "data.audit=true",
+            "supervisor.backoff_s=0.2", *more]
+
+
+def reference(root: Path) -> tuple[Path, Path]:
+    """(run dir, corpus) of one uninterrupted, supervised 2-process run; made once per session."""
+    if "run" not in _reference:
+        corpus = small_corpus(root / "corpus")
+        run_trainer(root / "reference", *group_overrides(corpus, *TWO))
+        _reference.update(run=root / "reference", corpus=corpus)
+    return _reference["run"], _reference["corpus"]
+
+
+def heartbeat(run: Path, process: int) -> dict | None:
+    try:
+        return json.loads((run / "heartbeat" / f"worker-{process}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def wait_for(pred, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if v := pred():
+            return v
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def at_step(run: Path, process: int, step: int, alive, timeout: float = 240) -> dict:
+    """Wait until that process is training at `step` or later; its heartbeat (with its pid).
+    `alive()` says whether the run is still going (fail fast when it is not)."""
+    def ok():
+        assert alive(), f"the run ended before process {process} reached step {step}"
+        hb = heartbeat(run, process)
+        return hb if hb and hb["phase"] == "step" and hb["step"] >= step else None
+    return wait_for(ok, timeout, f"process {process} at step >= {step}")
+
+
+def audit(run: Path, *args: str) -> dict:
+    """`python -m trainer audit RUN --json`, asserted to pass."""
+    p = subprocess.run([sys.executable, "-m", "trainer", "audit", str(run), "--json", *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return json.loads(p.stdout)

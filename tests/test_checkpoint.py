@@ -1,0 +1,32 @@
+"""A corrupt newest checkpoint is detected on load, reported, set aside, and the previous one used."""
+
+from __future__ import annotations
+
+from conftest import events, run_trainer, step_losses, summary
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, reference_run):
+    ref = reference_run()
+    run = tmp_path / "run"
+    run_trainer(run, "train.stop_at_step=20", worker=True)
+    # Flip the bytes of every data file of step 20's state item, as a bad disk or torn copy would.
+    for f in (run / "checkpoints" / "20" / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 0 and f.parent.name == "d":
+            f.write_bytes(bytes(b ^ 0xFF for b in f.read_bytes()))
+    run_trainer(run, worker=True)
+    evs = events(run)
+    assert [e["step"] for e in evs if e["event"] == "checkpoint_unreadable"] == [20]
+    assert [e["step"] for e in evs if e["event"] == "restore"] == [10]
+    assert len(list((run / "unreadable_checkpoints").iterdir())) == 1
+    assert summary(run)["params_sha256"] == summary(ref)["params_sha256"]
+    assert all(set(v) == set(step_losses(ref)[k]) for k, v in step_losses(run).items())
+
+
+def test_retention_keeps_the_latest_k_plus_every_jth(tmp_path):
+    run = tmp_path / "run"
+    run_trainer(run, "checkpoint.every_steps=5", "checkpoint.keep_latest=2", "checkpoint.keep_every=20",
+                worker=True)
+    kept = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept == [20, 25, 30]
+    saved = [e["step"] for e in events(run) if e["event"] == "checkpoint_saved"]
+    assert saved == [5, 10, 15, 20, 25, 30]

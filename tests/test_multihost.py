@@ -1,0 +1,252 @@
+"""Multi-process training through the same path as multi-host: jax.distributed with gloo collectives,
+2 processes x 4 fake CPU devices each. A killed or hung process takes the whole group down within
+seconds and the run still ends with the bytes of an uninterrupted one; checkpoints are sharded per
+process and resume on another process count with the same global data order; the data audit proves
+exactly-once consumption and catches overlapping shards and reshuffle-on-resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, child_env, events, run_trainer, step_losses, summary, trainer_cmd
+from multihost import ONE, TWO, at_step, audit, group_overrides, reference, small_corpus
+
+from trainer import audit as audit_lib
+from trainer import data, distributed, exit_codes, launcher
+from trainer.config import ConfigError, DataConfig, LaunchConfig, load_config
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory) -> tuple[Path, Path]:
+    return reference(tmp_path_factory.mktemp("multihost"))
+
+
+# --- the real thing: 2 processes ---------------------------------------------------------------------
+
+def test_kill_and_hang_tear_the_group_down_and_the_run_ends_identical(tmp_path, ref):
+    ref_run, corpus = ref
+    run = tmp_path / "run"
+    overrides = group_overrides(corpus, *TWO, "supervisor.step_timeout_s=10", "faults=[{kind: hang, step: 22}]")
+    with open(tmp_path / "supervisor.log", "w") as log:  # a pipe nobody reads would stall the workers
+        sup = subprocess.Popen(trainer_cmd(run, *overrides), cwd=ROOT, env=child_env(), stdout=log, stderr=log)
+    victim = at_step(run, 1, 14, lambda: sup.poll() is None)  # past the checkpoint at step 10
+    os.kill(victim["pid"], signal.SIGKILL)
+    t_kill = time.time()
+    assert sup.wait(timeout=600) == 0, (tmp_path / "supervisor.log").read_text()[-3000:]
+
+    evs = events(run)
+    exits = [e for e in evs if e["event"] == "worker_exit"]
+    # 1st attempt: process 1 died by SIGKILL, the supervisor tore process 0 down.
+    assert exits[0]["signal"] == "SIGKILL" and exits[0]["exits"][0] == [1, -9] and exits[0]["torn_down"] == [0]
+    kill_teardown_s = exits[0]["time"] - t_kill
+    # 2nd attempt: process 0 hung at step 22 (process 1 waits in a collective); both killed after the timeout.
+    hang = next(e for e in evs if e["event"] == "hang_detected")
+    assert hang["step"] == 22 and hang["phase"] == "step"
+    hang_teardown_s = exits[1]["time"] - hang["time"]
+    assert kill_teardown_s < 5 and hang_teardown_s < 5, (kill_teardown_s, hang_teardown_s)
+    print(f"teardown after SIGKILL of one process: {kill_teardown_s:.2f}s; after hang detection: "
+          f"{hang_teardown_s:.2f}s")
+
+    # Bitwise the uninterrupted run, recomputed steps included.
+    assert summary(run)["params_sha256"] == summary(ref_run)["params_sha256"]
+    assert summary(run)["restarts"] == 2
+    losses, ref_losses = step_losses(run), step_losses(ref_run)
+    assert sorted(losses) == sorted(ref_losses) and all(set(v) == set(ref_losses[k]) for k, v in losses.items())
+    # Only process 0 logs: one `step` event per step in an uninterrupted run.
+    assert sorted(e["step"] for e in events(ref_run) if e["event"] == "step") == list(range(1, 31))
+
+    # Data: exactly once per epoch across three epoch boundaries; recomputed steps re-read the same samples.
+    for r in (ref_run, run):
+        st = audit(r, "--compare", str(ref_run))
+        assert st["ok"] and st["compared_steps"] == 30 and len(st["per_epoch"]) >= 3, st
+    assert audit(run)["rechecked_rows"] > 0
+
+    # Checkpoints are sharded per process, not gathered to process 0.
+    for step_dir in sorted((run / "checkpoints").glob("[0-9]*")):
+        shards = sorted(p.name for p in (step_dir / "state").iterdir() if p.name.startswith("ocdbt.process_"))
+        assert shards == ["ocdbt.process_0", "ocdbt.process_1"], (step_dir, shards)
+        print(f"{step_dir.name}/state: {shards}")
+
+
+def test_elastic_resume_on_another_process_count_keeps_the_global_order(tmp_path, ref):
+    ref_run, corpus = ref
+    run = tmp_path / "run"
+    for stop, shape in ((10, TWO), (20, ONE), (0, TWO)):  # 2 processes -> 1 -> 2, 8 devices throughout
+        run_trainer(run, *group_overrides(corpus, *shape, f"train.stop_at_step={stop}"))
+    restores = [e["step"] for e in events(run) if e["event"] == "restore"]
+    assert restores == [10, 20]
+    shards = {d.name: sorted(p.name for p in (d / "state").glob("ocdbt.process_*"))
+              for d in (run / "checkpoints").glob("[0-9]*")}
+    assert shards == {"10": ["ocdbt.process_0", "ocdbt.process_1"], "20": ["ocdbt.process_0"],
+                      "30": ["ocdbt.process_0", "ocdbt.process_1"]}, shards
+
+    st = audit(run, "--compare", str(ref_run))
+    assert st["process_counts"] == [1, 2] and st["compared_steps"] == 30, st
+    # Continuous loss: the curve follows the uninterrupted 2-process run to float rounding (one process
+    # sums over devices in another order than gloo does across processes, so not bitwise).
+    losses, ref_losses = step_losses(run), step_losses(ref_run)
+    worst = max(abs(losses[k][0] - ref_losses[k][0]) / abs(ref_losses[k][0]) for k in ref_losses)
+    assert sorted(losses) == sorted(ref_losses) and worst < 1e-4, worst
+    print(f"elastic 2->1->2: worst relative loss difference vs uninterrupted: {worst:.2e}")
+
+
+# --- the audit catches the classic bugs (real grain pipelines, no training) ---------------------------
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = small_corpus(tmp_path_factory.mktemp("audit"))
+    return data.prepare(DataConfig(path=str(path), cache_dir=str(path.parent / "cache")))
+
+
+def _session(run: Path, corpus, *, process: int, processes: int, start: int, stop: int, seed: int = 0,
+             skips: tuple = (), read_as: int | None = None, cursor: int | None = None) -> None:
+    """Log what a worker process would read for steps [start, stop); `read_as`, `seed`, `cursor` inject bugs."""
+    it = data.make_iterator(DataConfig(batch_size=16, read_threads=1), corpus=corpus, seq_len=64, steps=40,
+                            seed=seed, process=process if read_as is None else read_as, processes=processes,
+                            skips=list(skips))
+    it.set_state({"next_index": start if cursor is None else cursor})
+    log = audit_lib.AuditLog(run, process=process, processes=processes, start=start, global_batch=16,
+                             epoch_windows=len(data.TokenWindows(corpus.tokens_path, 64)), skips=list(skips))
+    for k in range(start, stop):
+        log.record(k, next(it))
+
+
+def _problems(run: Path) -> list[str]:
+    rep, _ = audit_lib.check(run)
+    return rep.problems
+
+
+def test_audit_passes_restarts_and_elastic_resume(tmp_path, corpus):
+    for p in (0, 1):
+        _session(tmp_path, corpus, process=p, processes=2, start=0, stop=14)  # killed at 14, saved at 10
+    for p in (0, 1):
+        _session(tmp_path, corpus, process=p, processes=2, start=10, stop=20)
+    _session(tmp_path, corpus, process=0, processes=1, start=20, stop=30)
+    rep, st = audit_lib.check(tmp_path)
+    assert rep.problems == [] and st["rechecked_rows"] == 4 * 16 and len(st["per_epoch"]) == 4, (rep, st)
+
+
+def test_audit_catches_overlapping_shards(tmp_path, corpus):
+    _session(tmp_path, corpus, process=0, processes=2, start=0, stop=10)
+    _session(tmp_path, corpus, process=1, processes=2, start=0, stop=10, read_as=0)  # reads process 0's rows
+    assert any("overlapping shards" in p for p in _problems(tmp_path))
+
+
+def test_audit_catches_reshuffle_on_resume(tmp_path, corpus):
+    _session(tmp_path, corpus, process=0, processes=1, start=0, stop=14)
+    _session(tmp_path, corpus, process=0, processes=1, start=10, stop=20, seed=1)  # new permutation
+    problems = _problems(tmp_path)
+    assert any("data order changed on resume" in p for p in problems), problems
+
+
+def test_audit_catches_a_cursor_that_restarts_from_zero(tmp_path, corpus):
+    _session(tmp_path, corpus, process=0, processes=1, start=0, stop=10)
+    _session(tmp_path, corpus, process=0, processes=1, start=10, stop=20, cursor=0)
+    problems = _problems(tmp_path)
+    assert any("consumed at steps" in p for p in problems), problems
+
+
+def test_audit_accepts_runbook_skips_but_not_consumed_skips(tmp_path, corpus):
+    _session(tmp_path, corpus, process=0, processes=1, start=0, stop=14)
+    _session(tmp_path, corpus, process=0, processes=1, start=10, stop=20, skips=(11, 12))  # rewind + skip
+    rep, st = audit_lib.check(tmp_path)
+    assert rep.problems == [] and st["skips"] == [11, 12], rep.problems
+    bad = tmp_path / "bad"
+    _session(bad, corpus, process=0, processes=1, start=0, stop=10)
+    log = audit_lib.AuditLog(bad, process=0, processes=1, start=10, global_batch=16, skips=[11],
+                             epoch_windows=len(data.TokenWindows(corpus.tokens_path, 64)))
+    it = data.make_iterator(DataConfig(batch_size=16), corpus=corpus, seq_len=64, steps=40, seed=0, process=0,
+                            processes=1, skips=[])  # the skip list is ignored: batch 11 is read anyway
+    it.set_state({"next_index": 10})
+    for k in range(10, 15):
+        log.record(k, next(it))
+    assert any("on the skip list but was consumed" in p for p in _problems(bad))
+
+
+def test_audit_cli_without_logs_says_how_to_enable_them(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "trainer", "audit", str(tmp_path)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 2 and "data.audit=true" in p.stderr
+
+
+# --- the launcher: process groups, SLURM steps, hot spares (no jax) ----------------------------------
+
+def _group(tmp_path: Path, body: str, processes: int = 3, grace_s: float = 5.0) -> launcher.LocalGroup:
+    script = tmp_path / "w.py"
+    script.write_text("import os, signal, sys, time\nme = int(os.environ['TRAINER_PROCESS_ID'])\n" + body)
+    return launcher.LocalGroup([sys.executable, str(script)], os.environ, processes=processes, port=1,
+                               grace_s=grace_s)
+
+
+def test_one_dead_process_takes_the_group_down_at_once(tmp_path):
+    g = _group(tmp_path, "if me == 1:\n    time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(60)")
+    t0 = time.time()
+    assert g.wait(timeout=30) == -signal.SIGKILL
+    assert time.time() - t0 < 3
+    assert g.describe_exit()["torn_down"] == [0, 2] and all(p.poll() is not None for p in g.procs)
+
+
+def test_a_clean_exit_waits_for_peers_then_stragglers_are_killed(tmp_path):
+    g = _group(tmp_path, "time.sleep(0.2 * me)\nsys.exit(75)")
+    assert g.wait(timeout=30) == exit_codes.PREEMPTED and g.describe_exit()["torn_down"] == []
+    g = _group(tmp_path, "time.sleep(60 if me == 2 else 0)\nsys.exit(75)", grace_s=1.0)
+    assert g.wait(timeout=30) == exit_codes.PREEMPTED and g.describe_exit()["torn_down"] == [2]
+
+
+def test_group_output_is_labelled_by_process(tmp_path):
+    g = _group(tmp_path, "print('hello', me, flush=True)", processes=2)
+    lines = sorted(iter(g.stdout.readline, b""))
+    assert g.wait(timeout=30) == 0 and lines == [b"0: hello 0\n", b"1: hello 1\n"]
+
+
+def test_hot_spare_replaces_a_failed_node_and_keeps_the_mesh():
+    nodes = ["n1", "n2", "n3", "n4", "n5"]  # 4 needed + 1 spare
+    assert launcher.plan_nodes(nodes, set(), processes=4, per_node=1, min_processes=0) == (nodes[:4], 4)
+    assert launcher.plan_nodes(nodes, {"n2"}, processes=4, per_node=1, min_processes=0) == (
+        ["n1", "n3", "n4", "n5"], 4)
+    # No spare left: shrink to a divisor of the process count if allowed, else retry on the suspect node.
+    assert launcher.plan_nodes(nodes[:4], {"n2"}, processes=4, per_node=1, min_processes=2) == (["n1", "n3"], 2)
+    assert launcher.plan_nodes(nodes[:4], {"n2"}, processes=4, per_node=1, min_processes=0) == (
+        ["n1", "n3", "n4", "n2"], 4)
+    assert launcher.plan_nodes(["a", "b"], {"a"}, processes=4, per_node=2, min_processes=2) == (["b"], 2)
+
+
+def test_srun_step_command_and_task_errors():
+    cmd = launcher.srun_command(["python", "-m", "trainer"], nodes=["n1", "n3"], processes=4, per_node=2,
+                                launch_id="trainer-x")
+    assert cmd[:8] == ["srun", "--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--nodelist=n1,n3",
+                       "--kill-on-bad-exit=1", "--label", "--job-name=trainer-x"]
+    assert launcher.task_error_code("Killed") == -signal.SIGKILL
+    assert launcher.task_error_code("Exited with exit code 75") == 75
+
+
+def test_membership_from_explicit_settings_or_a_slurm_step():
+    lc = LaunchConfig()
+    assert distributed.detect(lc, {}).source == "single"
+    m = distributed.detect(lc, {"TRAINER_NUM_PROCESSES": "2", "TRAINER_PROCESS_ID": "1",
+                                "TRAINER_COORDINATOR": "h:1234"})
+    assert (m.processes, m.process_id, m.coordinator) == (2, 1, "h:1234")
+    step = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "3", "SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4",
+            "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "gpu[012-015]", "TRAINER_ATTEMPT": "2"}
+    m = distributed.detect(lc, step)
+    assert (m.processes, m.process_id, m.coordinator) == (4, 3, "gpu012:20009")
+    batch = {k: v for k, v in step.items() if k != "SLURM_STEP_ID"}  # the batch script is not a task
+    assert distributed.detect(lc, batch).processes == 1
+    with pytest.raises(ConfigError, match="TRAINER_COORDINATOR"):
+        distributed.detect(lc, {"TRAINER_NUM_PROCESSES": "2", "TRAINER_PROCESS_ID": "0"})
+
+
+def test_launch_config_is_validated():
+    for bad, msg in (("launch.mode=mpi", "launch.mode"), ("launch.processes=0", "launch.processes"),
+                     ("launch.min_processes=3", "launch.min_processes"),
+                     ("launch.processes_per_node=3", "multiple of launch.processes_per_node")):
+        with pytest.raises(ConfigError, match=msg):
+            load_config(None, ["launch.processes=2", bad])
+    with pytest.raises(ConfigError, match="SLURM allocation"):
+        launcher.Launcher(LaunchConfig(mode="slurm"), env={})

@@ -1,0 +1,72 @@
+"""launch/slurm.sbatch on a real, private SLURM (one node on loopback, tests/slurm_cluster.py): a job with
+2 tasks trains; one task is SIGKILLed and the supervisor restarts the step inside the same allocation;
+then SIGTERM to the job saves, requeues, and the requeued job finishes with the bytes of an
+uninterrupted 2-process run.
+
+Skipped without SLURM binaries or root, except under CI (where it must run: .ci/run installs SLURM).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import MICRO, ROOT, TINY, events, sets, summary
+from multihost import TWO, at_step, audit, group_overrides, reference
+from slurm_cluster import TERMINAL_STATES, job_info, job_state, local_slurm, slurm_available, wait_job
+
+
+def _require_slurm() -> None:
+    reason = ("SLURM binaries not installed (run .ci/install-slurm.sh)" if not slurm_available()
+              else "a private SLURM cluster needs root (slurmd)" if os.geteuid() != 0 else "")
+    if reason and os.environ.get("CI"):
+        pytest.fail(f"CI is set but {reason}")
+    if reason:
+        pytest.skip(reason)
+
+
+def test_sbatch_job_survives_a_killed_task_and_a_preemption(tmp_path, tmp_path_factory):
+    _require_slurm()
+    ref_run, corpus = reference(tmp_path_factory.mktemp("multihost"))
+    run, out = tmp_path / "run", tmp_path / "job.out"
+    # Two tasks on the one node stand for two hosts; a real job has one task per node.
+    # Steps from 16 on are slowed (process 0 sleeps; the numbers do not change) so that the preemption
+    # below lands before the run's end even on a fast machine.
+    args = ["--config", TINY, *sets(*MICRO, f"run.dir={run}", *group_overrides(corpus, *TWO),
+                                    "launch.processes_per_node=2", "faults=[{kind: slow, step: 16, seconds: 0.3, "
+                                    "count: 14}]")]
+    t0 = time.time()
+    with local_slurm(tmp_path / "slurm", cpus=4, cred_expire=5) as env:
+        env = dict(env, TRAINER_PYTHON=sys.executable)
+        job = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
+                              f"--chdir={ROOT}", f"--output={out}", str(ROOT / "launch" / "slurm.sbatch"), *args],
+                             env=env, capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+        alive = lambda: job_state(job, env) not in TERMINAL_STATES
+
+        victim = at_step(run, 1, 14, alive)  # task 1, past the checkpoint at step 10
+        os.kill(victim["pid"], signal.SIGKILL)
+        at_step(run, 0, 17, alive)  # the step was restarted in the same allocation (the first died by 15)
+        subprocess.run(["scancel", "--batch", "--signal=TERM", job], env=env, check=True, timeout=30)
+        state = wait_job(job, env, timeout=400)
+        log = out.read_text()
+        assert state == "COMPLETED", log[-3000:]
+        assert job_info(job, env)["Restarts"] == "1", log[-3000:]  # requeued once, by the preemption
+    print(f"SLURM job: {time.time() - t0:.0f}s including cluster start and stop")
+
+    evs = events(run)
+    exits = [e for e in evs if e["event"] == "worker_exit"]
+    host = exits[0]["first_task_error"][0]
+    assert exits[0]["first_task_error"] == [host, -signal.SIGKILL] and exits[0]["signal"] == "SIGKILL"
+    starts = [e for e in evs if e["event"] == "worker_start"]
+    # The killed task's node is suspect; with no spare in a one-node allocation the step reuses it.
+    assert starts[1]["suspect_nodes"] == [host] and starts[1]["nodes"] == [host] and starts[1]["processes"] == 2
+    assert any(e["event"] == "checkpoint_saved" and e["reason"] == "preempt" for e in evs)
+    assert exits[1]["exit_code"] == 75 and any(e["event"] == "preempted" for e in evs)
+    assert "restart 1" in log and "supervisor exited 75" in log
+    assert summary(run)["params_sha256"] == summary(ref_run)["params_sha256"]
+    st = audit(run, "--compare", str(ref_run))
+    assert st["compared_steps"] == 30 and st["rechecked_rows"] > 0, st

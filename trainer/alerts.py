@@ -1,0 +1,205 @@
+"""Run alerts and the dashboard's live extras: step monitors for the gradient-norm trend, throughput drops
+and rising ECC counts (which asks the loop to checkpoint now), hardware-health scalars, and restart/runbook
+markers. Each alert is an `alert` event plus TensorBoard text saying what it likely means and what the
+runbook does about it. No jax here: the supervisor uses ALERTS for its step-overdue alert.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from pathlib import Path
+
+from trainer import goodput, health
+from trainer.config import Config
+
+# kind -> (what it likely means, what the runbook does about it)
+ALERTS = {
+    "grad_norm_rising": (
+        "the gradient norm (before clipping) keeps climbing: the leading indicator of instability; a loss "
+        "spike or divergence often follows",
+        "watch the loss; on a spike the runbook rewinds to the last good checkpoint, skips the offending "
+        "batches and, if it recurs, lowers the peak LR / tightens clipping. A steady climb alone: consider "
+        "a lower LR or tighter clip at the next restart"),
+    "throughput_drop": (
+        "tokens/s fell well below its recent median: a straggler device or host, a degraded network link, a "
+        "slow input pipeline or thermal/power throttling; money leaks with no crash",
+        "compare time/data_wait_s with time/compute_s and the health/* scalars (throttling, one device hotter "
+        "or slower); if one node is degraded, drain it: stop at a checkpoint and restart without it (SLURM "
+        "exclude / hot spare)"),
+    "ecc_rising": (
+        "a device's ECC error count is rising: failing memory, which often precedes an uncorrectable error "
+        "and a crash",
+        "checkpoint now (done automatically), then drain the node: stop at that checkpoint and restart on a "
+        "spare, excluding this GPU/host"),
+    "step_overdue": (
+        "no heartbeat progress for a long time: a hang (a collective waiting on a dead or stuck rank), a very "
+        "slow checkpoint or a stuck input pipeline",
+        "the supervisor dumps the Python stacks, kills and restarts the worker from the last checkpoint when "
+        "the phase timeout passes; the same step failing again and again stops the run as a crash loop"),
+}
+
+# events.jsonl entries drawn as markers on the dashboard (restart from the supervisor, the rest from the
+# spike runbook), keyed to their marker name.
+MARKERS = {"restart": "restart", "hang_detected": "hang", "spike_detected": "spike", "rewind": "rewind",
+           "skip": "skip", "soften": "soften", "runbook_gave_up": "runbook_gave_up"}
+
+
+class Alerter:
+    """Writes alerts as events, TensorBoard text and 0/1 scalars; remembers which are open."""
+
+    def __init__(self, events, scalars):
+        self.events, self.scalars = events, scalars
+        self.open: dict[str, int] = {}
+
+    def fire(self, step: int, kind: str, detail: str, **fields) -> None:
+        meaning, runbook = ALERTS[kind]
+        self.open[kind] = step
+        self.events.write("alert", step=step, kind=kind, detail=detail, meaning=meaning, runbook=runbook, **fields)
+        self.scalars.add(step, {f"alerts/{kind}": 1.0, "alerts/open": len(self.open)})
+        self.scalars.text("alerts", f"**{kind}** at step {step}: {detail}\n\n*Likely:* {meaning}.\n\n"
+                                    f"*Runbook:* {runbook}.", step)
+
+    def clear(self, step: int, kind: str, detail: str) -> None:
+        if self.open.pop(kind, None) is None:
+            return
+        self.events.write("alert_cleared", step=step, kind=kind, detail=detail)
+        self.scalars.add(step, {f"alerts/{kind}": 0.0, "alerts/open": len(self.open)})
+        self.scalars.text("alerts", f"cleared **{kind}** at step {step}: {detail}", step)
+
+
+class GradNormTrend:
+    """Median grad norm of the last `window` steps against the `window` before (after warmup)."""
+
+    def __init__(self, alerter: Alerter, *, window: int, rise: float, start_step: int):
+        self.alerter, self.window, self.rise, self.start_step = alerter, window, rise, start_step
+        self._hist: collections.deque[float] = collections.deque(maxlen=2 * window)
+
+    def on_step(self, step: int, rec: dict) -> None:
+        g = rec["grad_norm"]
+        if step <= self.start_step or g != g or g == float("inf"):  # NaN/Inf belong to the spike runbook
+            return
+        self._hist.append(g)
+        if len(self._hist) < 2 * self.window:
+            return
+        h = list(self._hist)
+        before, recent = statistics.median(h[: self.window]), statistics.median(h[self.window:])
+        ratio = recent / max(before, 1e-12)
+        if ratio > self.rise and "grad_norm_rising" not in self.alerter.open:
+            self.alerter.fire(step, "grad_norm_rising", f"median grad norm {before:.3g} -> {recent:.3g} "
+                              f"(x{ratio:.2f}) over the last {2 * self.window} steps", ratio=ratio)
+        elif ratio < (1 + self.rise) / 2:  # hysteresis: no flapping around the threshold
+            self.alerter.clear(step, "grad_norm_rising", f"grad norm trend back to x{ratio:.2f}")
+
+
+class ThroughputDrop:
+    """Recent tokens/s against the median of the last healthy steps; the baseline is frozen while the
+    alert is open, so a lasting slowdown stays visible. Steps that saved, and the few after them (the
+    async write shares the host), are not judged: a checkpoint is not a straggler."""
+
+    SKIP_FIRST = 2  # the first steps of an attempt include warm-up: not a baseline
+
+    def __init__(self, alerter: Alerter, *, window: int, drop: float, sustain: int):
+        self.alerter, self.drop, self.sustain = alerter, drop, sustain
+        self._base: collections.deque[float] = collections.deque(maxlen=window)
+        self._recent: collections.deque[float] = collections.deque(maxlen=sustain)
+        self._seen, self._quiet = 0, 0
+
+    def on_step(self, step: int, rec: dict) -> None:
+        self._seen += 1
+        if rec["ckpt_block_s"] > 0:
+            self._quiet = self.sustain
+            return
+        if self._quiet or self._seen <= self.SKIP_FIRST:
+            self._quiet = max(self._quiet - 1, 0)
+            return
+        rate = rec["tokens_per_s"]
+        self._recent.append(rate)
+        is_open = "throughput_drop" in self.alerter.open
+        if len(self._base) >= max(self._base.maxlen // 2, self.sustain) and len(self._recent) == self.sustain:
+            base, now = statistics.median(self._base), statistics.median(self._recent)
+            if not is_open and now < self.drop * base:
+                self.alerter.fire(step, "throughput_drop", f"median tokens/s of the last {self.sustain} steps "
+                                  f"{now:,.0f} = {now / base:.0%} of the recent median {base:,.0f}",
+                                  tokens_per_s=now, baseline=base)
+                is_open = True
+            elif is_open and now >= (1 + self.drop) / 2 * base:
+                self.alerter.clear(step, "throughput_drop", f"tokens/s back to {now / base:.0%} of baseline")
+                is_open = False
+        if not is_open:
+            self._base.append(rate)
+
+
+class HealthMonitor:
+    """Reads the collector's latest snapshot (never waits): health/* scalars and a `health` event every
+    log interval; a rising ECC count fires an alert and asks the loop for a checkpoint now."""
+
+    def __init__(self, alerter: Alerter, collector: health.HealthCollector, *, every_steps: int, ecc_rise: int):
+        self.alerter, self.collector = alerter, collector
+        self.every_steps, self.ecc_rise = every_steps, ecc_rise
+        self._seen: dict | None = None
+        self._written: dict | None = None
+        self._ecc: dict[str, float] | None = None
+
+    def on_step(self, step: int, rec: dict) -> dict | None:
+        self.collector.step = step
+        snap = self.collector.latest()
+        if snap is None:
+            return None
+        if step % self.every_steps == 0 and snap is not self._written:  # each sample once: 8 GPUs x 10 readings
+            self._written = snap
+            self.alerter.scalars.add(step, {f"health/{dev}/{k}": v for dev, r in snap["devices"].items()
+                                            for k, v in r.items()})
+            self.alerter.events.write("health", step=step, devices=snap["devices"], errors=snap["errors"],
+                                      sampled_at=snap["time"])
+        if snap is self._seen:
+            return None
+        self._seen = snap
+        return self._check_ecc(step, snap)
+
+    def _check_ecc(self, step: int, snap: dict) -> dict | None:
+        per_dev = {dev: health.ecc_total({"devices": {dev: r}}) for dev, r in snap["devices"].items()}
+        prev, self._ecc = self._ecc, per_dev
+        if prev is None:
+            return None
+        rising = {d: n - prev.get(d, n) for d, n in per_dev.items() if n - prev.get(d, n) >= self.ecc_rise}
+        if not rising or "ecc_rising" in self.alerter.open:
+            return None
+        detail = ", ".join(f"{d} +{n:.0f} (total {per_dev[d]:.0f})" for d, n in rising.items())
+        self.alerter.fire(step, "ecc_rising", f"ECC errors rising: {detail}", devices=sorted(rising),
+                          action="checkpoint_now")
+        self.alerter.events.write("checkpoint_now", step=step, reason="ecc_rising", detail=detail)
+        self.alerter.scalars.add(step, {"markers/checkpoint_now": 1.0})
+        return {"do": "checkpoint_now", "reason": "ecc_rising"}
+
+
+def write_markers(run_dir: Path, scalars) -> None:
+    """Restart and runbook markers for what happened since the previous worker got going: each becomes a
+    markers/<name> scalar at its step and a line of TensorBoard text."""
+    evs = goodput.read_events(Path(run_dir) / "events.jsonl")
+    last_ready = max((i for i, e in enumerate(evs) if e["event"] == "worker_ready"), default=-1)
+    for e in evs[last_ready + 1:]:
+        name = MARKERS.get(e["event"])
+        if name and e.get("step") is not None:
+            scalars.add(e["step"], {f"markers/{name}": 1.0})
+            extra = {k: v for k, v in e.items() if k not in ("event", "time", "step", "by")}
+            scalars.text("markers", f"**{name}** at step {e['step']}: {extra}", e["step"])
+
+
+def build(cfg: Config, *, run_dir: Path, events, scalars, faults) -> list:
+    """The dashboard's monitors for one worker, its health collector started (log.health=false: none)."""
+    write_markers(run_dir, scalars)
+    if not cfg.log.health:
+        return []
+    sources, why = health.open_sources()
+    events.write("health_source", sources=[s.name for s in sources], every_s=cfg.log.health_every_s,
+                 **({"note": why} if why else {}))
+    collector = health.HealthCollector(every_s=cfg.log.health_every_s, sources=sources,
+                                       injected_ecc=faults.ecc_errors).start()
+    alerter = Alerter(events, scalars)
+    ac = cfg.alerts
+    return [
+        GradNormTrend(alerter, window=ac.grad_window, rise=ac.grad_rise, start_step=cfg.optim.warmup_steps),
+        ThroughputDrop(alerter, window=ac.throughput_window, drop=ac.throughput_drop, sustain=ac.throughput_steps),
+        HealthMonitor(alerter, collector, every_steps=cfg.log.every_steps, ecc_rise=ac.ecc_rise),
+    ]

@@ -1,0 +1,319 @@
+"""Starts one attempt's worker processes and tears them down together: N local subprocesses (tests,
+laptops) or one `srun` step on a SLURM allocation, where a failed node is swapped for a spare.
+
+A group looks like a subprocess.Popen to the supervisor (pid, stdout, wait, poll, send_signal), so the
+supervisor's policy does not care how many processes there are. Never imports jax.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+
+from trainer import distributed, exit_codes
+from trainer.config import ConfigError, LaunchConfig
+
+PR_SET_PDEATHSIG = 1
+# Exits the worker chose (its peers follow within moments); anything else means the group is broken.
+CONTROLLED = (exit_codes.OK, exit_codes.CONFIG, exit_codes.PREEMPTED, exit_codes.SPIKE)
+ENV_LAUNCH_ID = "TRAINER_LAUNCH_ID"  # workers put it in their heartbeats: stale files of old attempts never match
+
+
+def die_with_parent() -> None:
+    """In the child: the kernel sends SIGKILL when the supervisor dies, even by SIGKILL."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _spawn(argv: list[str], env: Mapping[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(env),
+                            preexec_fn=die_with_parent, start_new_session=True)
+
+
+class _Merged:
+    """The outputs of several processes as one stream of lines, labelled like `srun --label`."""
+
+    def __init__(self, streams: list, *, label: bool, on_line=None):
+        self._lines: list[bytes] = []
+        self._cond = threading.Condition()
+        self._open = len(streams)
+        self._on_line = on_line
+        for i, s in enumerate(streams):
+            threading.Thread(target=self._read, args=(s, f"{i}: ".encode() if label else b""), daemon=True).start()
+
+    def _read(self, stream, prefix: bytes) -> None:
+        for raw in iter(stream.readline, b""):
+            if self._on_line:
+                self._on_line(raw.decode(errors="replace"))
+            with self._cond:
+                self._lines.append(prefix + raw)
+                self._cond.notify()
+        with self._cond:
+            self._open -= 1
+            self._cond.notify()
+
+    def readline(self) -> bytes:
+        """Next line of any process; b"" once every stream has ended."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._lines or not self._open)
+            return self._lines.pop(0) if self._lines else b""
+
+
+class Group:
+    """The processes of one attempt, behaving like one Popen."""
+
+    processes: int
+    nodes: list[str]
+    launch_id: str
+    pid: int
+    stdout: _Merged
+    returncode: int | None = None
+
+    def poll(self) -> int | None:
+        raise NotImplementedError
+
+    def send_signal(self, sig: int) -> None:
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired("worker group", timeout)
+            time.sleep(0.05)
+        return code
+
+    def describe(self) -> dict:
+        return {"processes": self.processes, **({"nodes": self.nodes} if self.nodes else {})}
+
+    def describe_exit(self) -> dict:
+        """For the worker_exit event: which process or node failed first."""
+        return {}
+
+    def worker_pids(self) -> list[int]:
+        """Worker pids on this machine, where known."""
+        return []
+
+
+class LocalGroup(Group):
+    """N worker processes on this machine; process 0 hosts the jax coordinator on a local port."""
+
+    def __init__(self, argv: list[str], env: Mapping[str, str], *, processes: int, port: int, grace_s: float):
+        self.processes, self.nodes, self.launch_id = processes, [], uuid.uuid4().hex[:12]
+        self._grace_s = grace_s
+        base = dict(env, **{ENV_LAUNCH_ID: self.launch_id})
+        if processes > 1:
+            base.update({distributed.ENV_PROCESSES: str(processes),
+                         distributed.ENV_COORDINATOR: f"127.0.0.1:{port}"})
+        self.procs = [_spawn(argv, dict(base, **({distributed.ENV_PROCESS_ID: str(i)} if processes > 1 else {})))
+                      for i in range(processes)]
+        self.pid = self.procs[0].pid
+        self.stdout = _Merged([p.stdout for p in self.procs], label=processes > 1)
+        self._exits: list[tuple[int, int]] = []  # (process, code) in the order we saw them
+        self._killed: set[int] = set()  # processes we tore down: their codes are consequences, not causes
+        self._first_exit_t = 0.0
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        seen = {i for i, _ in self._exits}
+        for i, p in enumerate(self.procs):
+            if i not in seen and p.poll() is not None:
+                self._exits.append((i, p.returncode))
+                self._first_exit_t = self._first_exit_t or time.monotonic()
+        causes = [c for i, c in self._exits if i not in self._killed]
+        broken = [c for c in causes if c not in CONTROLLED]
+        late = causes and time.monotonic() - self._first_exit_t > self._grace_s
+        if (broken or late) and len(self._exits) < self.processes:
+            # A peer is gone: the others would wait in their next collective forever. Kill them now.
+            self._killed |= {i for i, p in enumerate(self.procs) if p.poll() is None}
+            self.send_signal(signal.SIGKILL)
+        if len(self._exits) < self.processes:
+            return None
+        self.returncode = (broken or [c for c in causes if c] or [0])[0]
+        return self.returncode
+
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def describe_exit(self) -> dict:
+        if self.processes == 1:
+            return {}
+        return {"exits": [[i, c] for i, c in self._exits], "torn_down": sorted(self._killed)}
+
+    def send_signal(self, sig: int) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+
+# `srun: error: node7: task 1: Killed` / `srun: error: node7: tasks 0-3: Exited with exit code 13`
+_TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? [\d,\-]+: (.+)$")
+_SIGNALS = {"Killed": -signal.SIGKILL, "Terminated": -signal.SIGTERM, "Segmentation fault": -signal.SIGSEGV,
+            "Aborted": -signal.SIGABRT, "Bus error": -signal.SIGBUS}
+
+
+def task_error_code(status: str) -> int | None:
+    m = re.match(r"Exited with exit code (\d+)", status)
+    return int(m.group(1)) if m else _SIGNALS.get(status.split(" (")[0].strip())
+
+
+class SrunGroup(Group):
+    """One srun step across the chosen nodes. `--kill-on-bad-exit` makes SLURM end the whole step
+    when one task dies; srun's first task error names the node and the cause."""
+
+    def __init__(self, cmd: list[str], env: Mapping[str, str], *, processes: int, nodes: list[str],
+                 launch_id: str, job_id: str):
+        self.processes, self.nodes, self.launch_id, self._job = processes, nodes, launch_id, job_id
+        self.first_error: tuple[str, int] | None = None  # (node, code) of the first task that failed
+        self._proc = _spawn(cmd, env)
+        self.pid = self._proc.pid
+        self.stdout = _Merged([self._proc.stdout], label=False, on_line=self._watch)
+        self._step = ""
+        self._killing = False
+
+    def _watch(self, line: str) -> None:
+        m = _TASK_ERROR.search(line.rstrip())
+        if m and self.first_error is None and (code := task_error_code(m.group(2))) is not None:
+            self.first_error = (m.group(1), code)
+
+    def poll(self) -> int | None:
+        code = self._proc.poll()
+        if code is None:
+            if self.failed_node() and not self._killing:
+                # SLURM would SIGTERM the survivors and SIGKILL them only after KillWait (30 s by default);
+                # they cannot finish a step without their peer, so do not wait.
+                self._killing = True
+                self.send_signal(signal.SIGKILL)
+            return None
+        # srun reports the worst task code, which is often a peer SLURM killed; the first error is the cause.
+        self.returncode = self.first_error[1] if self.first_error else code
+        return self.returncode
+
+    def _step_id(self) -> str:
+        if not self._step:
+            out = subprocess.run(["squeue", "-h", "-s", "-j", self._job, "-o", "%i %j"], capture_output=True,
+                                 text=True, timeout=30).stdout
+            self._step = next((ln.split()[0] for ln in out.splitlines() if ln.split()[1:] == [self.launch_id]), "")
+        return self._step
+
+    def send_signal(self, sig: int) -> None:
+        """Signals go to the step's tasks on every node: srun itself would turn SIGTERM into a kill."""
+        step = self._step_id() if self._proc.poll() is None else ""
+        if step:
+            subprocess.run(["scancel", f"--signal={signal.Signals(sig).name[3:]}", step], timeout=30,
+                           capture_output=True)
+        if sig == signal.SIGKILL or not step:  # no step yet (srun still waiting for nodes): stop srun
+            try:
+                os.killpg(self._proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def describe_exit(self) -> dict:
+        return {"first_task_error": list(self.first_error)} if self.first_error else {}
+
+    def failed_node(self) -> str | None:
+        """The node whose task died first, unless it left on purpose (preempted, spike, ...)."""
+        if self.first_error and self.first_error[1] not in CONTROLLED:
+            return self.first_error[0]
+        return None
+
+
+def plan_nodes(allocated: list[str], suspects: set[str], *, processes: int, per_node: int,
+               min_processes: int) -> tuple[list[str], int]:
+    """Nodes and process count for the next step. Spares replace suspect nodes so the mesh keeps its
+    shape; with too few healthy nodes, shrink to a divisor of `processes` (same global batch split)
+    if min_processes allows; otherwise retry on suspect nodes too (a lost process is not a lost node)."""
+    need = processes // per_node
+    healthy = [n for n in allocated if n not in suspects]
+    if len(healthy) >= need:
+        return healthy[:need], processes
+    fits = [p for p in range(processes, 0, -1)
+            if processes % p == 0 and p % per_node == 0 and p // per_node <= len(healthy)]
+    if min_processes and fits and fits[0] >= min_processes:
+        return healthy[:fits[0] // per_node], fits[0]
+    return (healthy + [n for n in allocated if n in suspects])[:need], processes
+
+
+def srun_command(argv: list[str], *, nodes: list[str], processes: int, per_node: int, launch_id: str) -> list[str]:
+    return ["srun", f"--nodes={len(nodes)}", f"--ntasks={processes}", f"--ntasks-per-node={per_node}",
+            f"--nodelist={','.join(nodes)}", "--kill-on-bad-exit=1", "--label", f"--job-name={launch_id}", *argv]
+
+
+class Launcher:
+    """Builds each attempt's group; in SLURM mode it also remembers suspect nodes across attempts."""
+
+    def __init__(self, cfg: LaunchConfig, env: Mapping[str, str] = os.environ):
+        self.cfg = cfg
+        self.suspects: set[str] = set()
+        self._last: Group | None = None
+        self.allocated: list[str] = []
+        if cfg.mode == "slurm":
+            if "SLURM_JOB_ID" not in env:
+                raise ConfigError("launch.mode=slurm needs a SLURM allocation (run launch/slurm.sbatch with sbatch)")
+            self.job = env["SLURM_JOB_ID"]
+            self.allocated = hostnames(env["SLURM_JOB_NODELIST"])
+            need = cfg.processes // cfg.processes_per_node
+            if len(self.allocated) < need and not cfg.min_processes:
+                raise ConfigError(f"launch.processes={cfg.processes} at {cfg.processes_per_node} per node needs "
+                                  f"{need} nodes; the allocation has {len(self.allocated)}")
+
+    def start(self, attempt: int, argv: list[str], env: Mapping[str, str]) -> Group:
+        env = dict(env, **{distributed.ENV_ATTEMPT: str(attempt)})
+        if self.cfg.mode == "local":
+            port = self.cfg.coordinator_port + attempt if self.cfg.coordinator_port else free_port()
+            self._last = LocalGroup(argv, env, processes=self.cfg.processes, port=port,
+                                    grace_s=self.cfg.exit_grace_s)
+            return self._last
+        if isinstance(self._last, SrunGroup) and (bad := self._last.failed_node()):
+            self.suspects.add(bad)
+        self.suspects |= down_nodes(self.allocated)
+        nodes, n = plan_nodes(self.allocated, self.suspects, processes=self.cfg.processes,
+                              per_node=self.cfg.processes_per_node, min_processes=self.cfg.min_processes)
+        launch_id = f"trainer-{uuid.uuid4().hex[:8]}"
+        env.update({ENV_LAUNCH_ID: launch_id, distributed.ENV_PORT: str(distributed.slurm_port(self.cfg, env))})
+        cmd = srun_command(argv, nodes=nodes, processes=n, per_node=self.cfg.processes_per_node, launch_id=launch_id)
+        self._last = SrunGroup(cmd, env, processes=n, nodes=nodes, launch_id=launch_id, job_id=self.job)
+        return self._last
+
+    def describe(self) -> dict:
+        """For the worker_start event: where this attempt runs, and which nodes it avoided."""
+        info = self._last.describe() if self._last else {}
+        return dict(info, suspect_nodes=sorted(self.suspects)) if self.suspects else info
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hostnames(nodelist: str) -> list[str]:
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
+    return out.stdout.split() or [nodelist]
+
+
+def down_nodes(nodes: list[str]) -> set[str]:
+    """Nodes SLURM itself reports as failed: down, drained, failing or not responding."""
+    if not nodes:
+        return set()
+    out = subprocess.run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %t"], capture_output=True,
+                         text=True, timeout=30).stdout
+    bad = {"down", "drain", "drng", "fail", "failg", "npc", "no_respond"}
+    out_nodes = set()
+    for ln in out.splitlines():
+        parts = ln.split()
+        # A trailing "*" means not responding; other suffixes only qualify the state.
+        if len(parts) == 2 and (parts[1].endswith("*") or parts[1].rstrip("~#!%$@^-") in bad):
+            out_nodes.add(parts[0])
+    return out_nodes

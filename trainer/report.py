@@ -1,0 +1,214 @@
+"""`python -m trainer report RUN_DIR`: the end-of-run report in RUN_DIR/report/: PNG plots (loss with
+restart/rewind/skip markers, gradient norm, throughput/MFU, goodput breakdown) and report.md.
+
+Written automatically when a run ends (supervisor, or the worker when unsupervised) through
+`write_safely`, which never lets a plotting problem fail the run. No jax here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from trainer import goodput, status
+from trainer.alerts import ALERTS
+from trainer.config import ConfigError
+
+# event -> (label, colour, line style) of the vertical markers drawn on the series plots
+MARKER_STYLE = {
+    "restart": ("restart", "tab:red", "--"), "hang_detected": ("hang", "darkred", ":"),
+    "spike_detected": ("spike", "magenta", "-."), "rewind": ("rewind", "tab:purple", "--"),
+    "skip": ("skip", "tab:orange", ":"), "soften": ("soften", "tab:brown", "-."),
+    "runbook_gave_up": ("runbook gave up", "black", "-"),
+    "checkpoint_now": ("checkpoint now", "black", ":"), "restore": ("resumed from checkpoint", "tab:green", ":"),
+}
+GOODPUT_COLOURS = {"productive": "tab:green", "recompute": "tab:orange", "checkpoint": "tab:blue",
+                   "startup": "tab:gray", "restart": "tab:red"}
+
+
+def _attempts(events: list[dict]) -> list[list[dict]]:
+    """Step records split into worker attempts: a restart's recomputed steps draw as their own line."""
+    out: list[list[dict]] = []
+    for e in events:
+        if e["event"] in status.ATTEMPT_START or not out:
+            out.append([])
+        if e["event"] == "step":
+            out[-1].append(e)
+    return [a for a in out if a]
+
+
+def _markers(ax, events: list[dict]) -> None:
+    seen = set()
+    for e in events:
+        style = MARKER_STYLE.get(e["event"])
+        if style is None or e.get("step") is None:
+            continue
+        label, colour, ls = style
+        ax.axvline(e["step"], color=colour, ls=ls, lw=1.2, alpha=0.8, label=None if label in seen else label)
+        seen.add(label)
+
+
+def _series(ax, attempts: list[list[dict]], key: str, *, label: str, colour: str, log: bool = False) -> None:
+    for i, recs in enumerate(attempts):
+        pts = [(r["step"], r[key]) for r in recs if key in r and (r[key] > 0 or not log)]
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, color=colour, lw=1.3, alpha=1.0 if i == len(attempts) - 1 else 0.55,
+                    label=label if i == 0 else None, ls="-" if i % 2 == 0 else "--")
+    if log:
+        ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+
+
+def _legend(ax) -> None:
+    if ax.get_legend_handles_labels()[0]:  # an empty run has nothing to label
+        ax.legend(loc="best", fontsize=8)
+
+
+def _alert_spans(ax, events: list[dict], kind: str, colour: str) -> None:
+    start, last_step, labelled = None, 0, False
+    for e in events:
+        last_step = e.get("step", last_step) if e["event"] == "step" else last_step
+        if e["event"] == "alert" and e["kind"] == kind:
+            start = e["step"]
+        elif start is not None and (e["event"] == "alert_cleared" and e["kind"] == kind
+                                    or e["event"] in status.ATTEMPT_START):
+            ax.axvspan(start, e.get("step") or last_step, color=colour, alpha=0.15,
+                       label=None if labelled else f"alert: {kind}")
+            start, labelled = None, True
+    if start is not None:
+        ax.axvspan(start, last_step, color=colour, alpha=0.15, label=None if labelled else f"alert: {kind} (open)")
+
+
+def plot_loss(v: status.RunView, plt, out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    attempts = _attempts(v.events)
+    _series(ax, attempts, "loss", label="train loss", colour="tab:blue")
+    _markers(ax, v.events)
+    ax.set_ylabel("loss")
+    ax.set_title(f"Loss ({len(attempts)} attempt{'s' if len(attempts) != 1 else ''}; dashed = a later attempt)")
+    _legend(ax)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def plot_grad_norm(v: status.RunView, plt, out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    attempts = _attempts(v.events)
+    _series(ax, attempts, "grad_norm", label="grad norm (before clipping)", colour="tab:red", log=True)
+    _series(ax, attempts, "update_norm", label="update norm", colour="tab:green", log=True)
+    ax.axhline(v.cfg.optim.clip_norm, color="gray", ls=":", label=f"clip norm {v.cfg.optim.clip_norm:g}")
+    _alert_spans(ax, v.events, "grad_norm_rising", "tab:red")
+    _markers(ax, v.events)
+    ax.set_ylabel("norm (log scale)")
+    ax.set_title("Gradient norm: the leading indicator")
+    _legend(ax)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def plot_throughput(v: status.RunView, plt, out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    attempts = _attempts(v.events)
+    _series(ax, attempts, "tokens_per_s", label="tokens/s", colour="tab:blue")
+    ax.set_ylabel("tokens/s")
+    _alert_spans(ax, v.events, "throughput_drop", "tab:orange")
+    _markers(ax, v.events)
+    rec = next((r for a in attempts for r in a if r.get("mfu") and r["tokens_per_s"]), None)
+    if rec:  # MFU is tokens/s times a constant (FLOPs per token / peak): the same line, a second scale
+        k = 100 * rec["mfu"] / rec["tokens_per_s"]
+        ax.secondary_yaxis("right", functions=(lambda t: t * k, lambda m: m / k)).set_ylabel("MFU % (right axis)")
+    _legend(ax)
+    ax.set_title("Throughput and MFU (a dip right after a checkpoint step is save blocking)")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def plot_goodput(led: dict, restarts: int, plt, out: Path) -> None:
+    secs, fr = led["goodput"]["seconds"], led["goodput"]["fractions"]
+    fig, ax = plt.subplots(figsize=(9, 2.8))
+    left = 0.0
+    for k in goodput.CATEGORIES:
+        ax.barh([0], [secs[k]], left=left, color=GOODPUT_COLOURS[k], label=f"{k} {secs[k]:.1f}s ({fr[k]:.0%})")
+        if fr[k] >= 0.06:
+            ax.text(left + secs[k] / 2, 0, f"{fr[k]:.0%}", ha="center", va="center", color="white", fontsize=9)
+        left += secs[k]
+    ax.set_yticks([])
+    ax.set_xlabel("wall-clock seconds")
+    ax.set_title(f"Goodput: where the {led['wall_s']:.0f}s went ({restarts} restart{'s' if restarts != 1 else ''})")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def _markdown(v: status.RunView, led: dict, pngs: list[str]) -> str:
+    alerts = [e for e in v.events if e["event"] == "alert"]
+    lines = ["# Run report", "", f"Run dir: `{v.run_dir}`", "", "```", status.render(v), "```", "",
+             "## Goodput", "", "| category | seconds | share |", "|---|---:|---:|"]
+    for k in goodput.CATEGORIES:
+        lines.append(f"| {k} | {led['goodput']['seconds'][k]:.1f} | {led['goodput']['fractions'][k]:.1%} |")
+    lines += ["", f"## Alerts ({len(alerts)})", ""]
+    if alerts:
+        lines += ["| step | alert | detail | runbook |", "|---:|---|---|---|"]
+        lines += [f"| {a.get('step')} | {a['kind']} | {a.get('detail', '')} | {ALERTS.get(a['kind'], ('', ''))[1]} |"
+                  for a in alerts]
+    else:
+        lines.append("None.")
+    events = [e for e in v.events if e["event"] in MARKER_STYLE]
+    lines += ["", f"## Restarts and runbook actions ({len(events)})", ""]
+    lines += [f"- step {e.get('step')}: {e['event']} {e.get('reason', '')}".rstrip() for e in events] or ["None."]
+    lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in pngs]
+    return "\n".join(lines) + "\n"
+
+
+def write(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+    """Render the plots and report.md; returns the report.md path."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a cluster node
+    import matplotlib.pyplot as plt
+
+    v = status.load(run_dir)
+    out = Path(out_dir) if out_dir else v.run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    _, live = status.run_state(v)
+    led = status.ledger_now(v, live)
+    restarts = sum(e["event"] == "restart" for e in v.events)
+    plot_loss(v, plt, out / "loss.png")
+    plot_grad_norm(v, plt, out / "grad_norm.png")
+    plot_throughput(v, plt, out / "throughput.png")
+    plot_goodput(led, restarts, plt, out / "goodput.png")
+    md = out / "report.md"
+    md.write_text(_markdown(v, led, ["loss.png", "grad_norm.png", "throughput.png", "goodput.png"]))
+    return md
+
+
+def write_safely(run_dir: str | Path, log=None) -> Path | None:
+    """The end-of-run hook: a report is worth having, never worth failing a finished run for."""
+    try:
+        return write(run_dir)
+    except Exception as e:  # any plotting/IO problem: say so and carry on
+        print(f"warning: could not write the run report: {e!r}", file=sys.stderr)
+        if log is not None:
+            log("report_failed", error=repr(e)[:300])
+        return None
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer report", description=__doc__.splitlines()[0])
+    p.add_argument("run_dir", help="the run's run.dir")
+    p.add_argument("--out", help="output folder (default RUN_DIR/report)")
+    args = p.parse_args(argv)
+    try:
+        md = write(args.run_dir, args.out)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {md} and {len(list(md.parent.glob('*.png')))} plots in {md.parent}")
+    return 0
