@@ -24,9 +24,14 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, refe
 
 def test_retention_keeps_the_latest_k_plus_every_jth(tmp_path):
     run = tmp_path / "run"
-    run_trainer(run, "checkpoint.every_steps=5", "checkpoint.keep_latest=2", "checkpoint.keep_every=20",
-                worker=True)
+    overrides = ["checkpoint.every_steps=5", "checkpoint.keep_latest=2", "checkpoint.keep_every=20"]
+    run_trainer(run, *overrides, "runbook.enabled=false", worker=True)
     kept = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
     assert kept == [20, 25, 30]
+    # With the spike runbook on, retention also keeps a last-known-good checkpoint older than its window.
+    pinned = tmp_path / "pinned"
+    run_trainer(pinned, *overrides, worker=True)
+    kept = sorted(int(p.name) for p in (pinned / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept[-3:] == [20, 25, 30] and len(kept) == 4 and kept[0] < 20
     saved = [e["step"] for e in events(run) if e["event"] == "checkpoint_saved"]
     assert saved == [5, 10, 15, 20, 25, 30]
