@@ -117,7 +117,7 @@ class Fault:
 @dataclass
 class SupervisorConfig:
     max_restarts: int = 20
-    backoff_s: float = 1.0  # first restart delay; doubles up to backoff_max_s
+    backoff_s: float = 1.0  # delay before retrying a step that failed again; doubles up to backoff_max_s
     backoff_max_s: float = 60.0
     crash_loop_restarts: int = 3  # this many failures with no step of progress = crash loop
     startup_timeout_s: float = 600.0  # heartbeat silence allowed while starting/compiling

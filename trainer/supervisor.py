@@ -207,7 +207,10 @@ class Supervisor:
                 return self._give_up(exit_codes.CRASH_LOOP, step, reason, att, t0, restarts)
             if restarts >= self.sc.max_restarts:
                 return self._give_up(exit_codes.RESTART_BUDGET, step, reason, att, t0, restarts)
-            delay = min(self.sc.backoff_s * 2 ** (same_step_failures - 1), self.sc.backoff_max_s)
+            # A failure at a new step restarts at once: each second here is the whole cluster idle. Only a
+            # step that fails again backs off (exponentially, bounded), e.g. for a flaky filesystem.
+            delay = 0.0 if same_step_failures == 1 else min(self.sc.backoff_s * 2 ** (same_step_failures - 2),
+                                                            self.sc.backoff_max_s)
             restarts += 1
             self.events.write("restart", step=step, reason=reason, attempt=number + 1, backoff_s=delay)
             self._write_ledger(t0, restarts, final=False)

@@ -1,0 +1,220 @@
+"""#6 GPU check: one prepared script for one H200-class GPU, under 8 minutes. Runs the 124M config and a
+~1B config (one GPU: no FSDP, no remat) under the supervisor for a few hundred / hundred steps and
+reports MFU, step time, checkpoint blocking vs bytes / measured device-to-host bandwidth, restart time
+with a warm compilation cache, and a bitwise resume check with XLA's deterministic ops on.
+
+    python benchmarks/gpu_check.py                 # on the GPU machine; writes benchmarks/results/gpu.json
+    python benchmarks/gpu_check.py --cpu-smoke     # the same sequence with tiny models on CPU (minutes)
+
+Bit-exact resume on GPU needs XLA_FLAGS=--xla_gpu_deterministic_ops=true (XLA: "guarantees run-to-run
+determinism on GPU"; it implies --xla_gpu_exclude_nondeterministic_ops, and makes scatters, e.g. the
+embedding gradient, deterministic). Without it, atomics-based reductions may differ in the last bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: `python benchmarks/gpu_check.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import harness, recovery
+
+DETERMINISTIC = "--xla_gpu_deterministic_ops=true"
+MFU_TARGET = 0.45
+BLOCKING_TARGET = 1.5  # blocking / (state bytes / measured device-to-host bandwidth)
+BYTES_PER_PARAM = 12  # fp32 params + AdamW mu and nu (the step and PRNG key are negligible)
+CFG = harness.ROOT / "configs"
+
+# name -> (config, overrides, steps, checkpoint every). GPU: the real shapes on one device.
+GPU_RUNS = {
+    "gpt2-124m": (CFG / "gpt2-124m.yaml", ["log.every_steps=20"], 200, 50),
+    # 1B on one 141 GB H200: ~86 GB without remat at 16 x 2048 tokens (cuDNN flash attention).
+    "gpt-1b": (CFG / "gpt-1b.yaml", ["mesh.fsdp=1", "data.batch_size=16", "model.remat=false",
+                                     "log.every_steps=10", "checkpoint.keep_latest=1"], 120, 40),
+}
+SMOKE_MODEL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.seq_len=64", "data.batch_size=16",
+               "data.default_corpus_mb=1", "optim.warmup_steps=5"]
+SMOKE_RUNS = {
+    "gpt2-124m": (CFG / "tiny.yaml", SMOKE_MODEL, 20, 5),
+    "gpt-1b": (CFG / "tiny.yaml", SMOKE_MODEL + ["model.d_model=128"], 12, 4),
+}
+COMMON = ["log.report=false", "checkpoint.every_minutes=0", "supervisor.crash_loop_restarts=1"]
+
+
+def copy_bandwidth(nbytes: int) -> dict:
+    """Device-to-host bytes/s the way Orbax copies a state: start every leaf's copy, then collect them."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    n = 16
+    elems = nbytes // n // 4
+
+    def fresh():  # new arrays each time: a jax.Array caches its host copy after the first one
+        xs = [jnp.full((elems,), i, jnp.float32) for i in range(n)]
+        jax.block_until_ready(xs)
+        return xs
+
+    def timed() -> float:
+        xs = fresh()
+        t0 = time.perf_counter()
+        for x in xs:
+            x.copy_to_host_async()
+        for x in xs:
+            np.asarray(x)
+        return time.perf_counter() - t0
+
+    timed()  # warm-up: staging buffers, first transfer
+    best = min(timed() for _ in range(3))
+    return {"bytes": n * elems * 4, "seconds": best, "bytes_per_s": n * elems * 4 / best,
+            "device": jax.devices()[0].device_kind, "platform": jax.default_backend()}
+
+
+def _run_model(name: str, spec: tuple, work: Path, cache: Path, bw: float, *, env: dict, retry: list[str]) -> dict:
+    config, overrides, steps, every = spec
+    run_dir = work / name
+    cmd = harness.trainer_cmd(str(config), run_dir, *overrides, *COMMON, f"train.steps={steps}",
+                              f"checkpoint.every_steps={every}", f"run.compile_cache={cache}")
+    try:
+        wall = harness.run(cmd, work / f"{name}.log", timeout=420, env=env)
+    except harness.BenchError as e:
+        if not retry:
+            raise
+        shutil.rmtree(run_dir, ignore_errors=True)  # e.g. out of memory without remat: retry with it
+        cmd += [a for o in retry for a in ("--set", o)]
+        wall = harness.run(cmd, work / f"{name}-retry.log", timeout=420, env=env)
+        overrides = overrides + retry + [f"(first try failed: {str(e).splitlines()[0][:200]})"]
+    evs = harness.events(run_dir)
+    warm = [e for e in harness.steps(evs) if e["step"] > min(20, steps // 2)]
+    n_params = next(e["n_params"] for e in evs if e["event"] == "init")
+    blocking = [e["blocking_s"] for e in evs if e["event"] == "checkpoint_saved" and e.get("reason") == "periodic"]
+    # A worker's first save also builds Orbax's slicing functions (a one-off per process): steady = the rest.
+    steady = harness.median(blocking[1:] or blocking)
+    nbytes = n_params * BYTES_PER_PARAM
+    out = {
+        "overrides": overrides,
+        "n_params": n_params,
+        "steps": steps,
+        "mfu": harness.median([e["mfu"] for e in warm if "mfu" in e]) if any("mfu" in e for e in warm) else None,
+        "step_s": harness.median([e["step_s"] for e in warm if not e.get("ckpt_block_s")]),
+        "tokens_per_s": harness.median([e["tokens_per_s"] for e in warm if not e.get("ckpt_block_s")]),
+        "ckpt_blocking_s": steady,
+        "ckpt_blocking_first_s": blocking[0] if blocking else None,
+        "state_bytes": nbytes,
+        "copy_limit_s": nbytes / bw,
+        "blocking_vs_copy_limit": steady / (nbytes / bw),
+        "wall_s": wall,
+    }
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # a 1B state is ~13 GB: keep the disk free
+    return out
+
+
+def _bitwise(spec: tuple, work: Path, cache: Path, env: dict, smoke: bool) -> dict:
+    """Uninterrupted vs SIGKILLed-and-resumed (supervisor restart, warm cache), deterministic ops on."""
+    config, overrides, _, _ = spec
+    steps, every = (12, 4) if smoke else (30, 10)
+    det_env = dict(env, XLA_FLAGS=(env.get("XLA_FLAGS", "") + " " + DETERMINISTIC).strip())
+    base = [*overrides, *COMMON, f"train.steps={steps}", f"checkpoint.every_steps={every}",
+            f"run.compile_cache={cache}", "supervisor.crash_loop_restarts=2"]
+    straight = work / "bitwise-straight"
+    harness.run(harness.trainer_cmd(str(config), straight, *base), work / "bitwise-straight.log", timeout=300,
+                env=det_env)
+    resumed = work / "bitwise-resumed"
+    with harness.Proc(harness.trainer_cmd(str(config), resumed, *base), work / "bitwise-resumed.log", det_env) as p:
+        t_kill = recovery.kill_after(p, resumed, every, every + 2)
+        if p.wait(300) != 0:
+            raise harness.BenchError(f"resumed run failed\n{harness.tail(p.log)}")
+    a, b = harness.summary(straight), harness.summary(resumed)
+    steps_a = harness.steps(harness.events(straight))
+    losses_a = {e["step"]: e["loss"] for e in steps_a}
+    losses_b = [(e["step"], e["loss"]) for e in harness.steps(harness.events(resumed))]
+    out = {
+        "xla_flags": det_env["XLA_FLAGS"],
+        "params_sha256_straight": a["params_sha256"],
+        "params_sha256_resumed": b["params_sha256"],
+        "bitwise_equal": a["params_sha256"] == b["params_sha256"] and all(losses_a[s] == v for s, v in losses_b),
+        # Against the 124M run's step time: what deterministic ops cost.
+        "step_s": harness.median([e["step_s"] for e in steps_a[steps // 2:] if not e.get("ckpt_block_s")]),
+        "restart_warm_cache_s": recovery.split_recovery(harness.events(resumed), t_kill),
+    }
+    for d in (straight, resumed):
+        shutil.rmtree(d / "checkpoints", ignore_errors=True)
+    return out
+
+
+def check(work: Path, *, smoke: bool, budget_s: float) -> dict:
+    t0 = time.time()
+    runs = SMOKE_RUNS if smoke else GPU_RUNS
+    env = harness.child_env(XLA_PYTHON_CLIENT_MEM_FRACTION="0.92")
+    cache = work / "compile-cache"
+    out_bw = work / "copy_bw.json"
+    nbytes = (64 << 20) if smoke else (4 << 30)
+    harness.run([sys.executable, "-m", "benchmarks.gpu_check", "--copy-bw", str(nbytes), str(out_bw)],
+                work / "copy_bw.log", timeout=120, env=env)
+    bw = json.loads(out_bw.read_text())
+    result: dict = {"measured": not smoke, "device": bw["device"], "platform": bw["platform"], "copy": bw}
+    # The 1B MFU is the headline: it runs first, so a slow start cannot push it past the budget.
+    parts = [("gpt-1b", lambda: _run_model("gpt-1b", runs["gpt-1b"], work, cache, bw["bytes_per_s"], env=env,
+                                           retry=["model.remat=true"])),
+             ("gpt2-124m", lambda: _run_model("gpt2-124m", runs["gpt2-124m"], work, cache, bw["bytes_per_s"],
+                                              env=env, retry=[])),
+             ("bitwise_resume", lambda: _bitwise(runs["gpt2-124m"], work, cache, env, smoke))]
+    for name, fn in parts:
+        if time.time() - t0 > budget_s:
+            result[name] = {"skipped": f"time budget of {budget_s:.0f}s spent"}
+            continue
+        try:
+            result[name] = fn()
+        except harness.BenchError as e:
+            result[name] = {"error": str(e)[-2000:]}
+    det, fast = result.get("bitwise_resume", {}).get("step_s"), result.get("gpt2-124m", {}).get("step_s")
+    if det and fast:
+        result["deterministic_ops_step_time_ratio"] = det / fast
+    result["wall_s"] = time.time() - t0
+    result["targets"] = {"mfu_1b": f">= {MFU_TARGET}", "blocking_vs_copy_limit": f"<= {BLOCKING_TARGET}",
+                         "bitwise_resume": "equal"}
+    one_b, small = result.get("gpt-1b", {}), result.get("gpt2-124m", {})
+    result["met"] = {
+        "mfu_1b": (one_b.get("mfu") or 0) >= MFU_TARGET,
+        "blocking_vs_copy_limit": all(r.get("blocking_vs_copy_limit", 99) <= BLOCKING_TARGET for r in (one_b, small)),
+        "bitwise_resume": result.get("bitwise_resume", {}).get("bitwise_equal", False),
+    }
+    return result
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--copy-bw":
+        Path(argv[2]).write_text(json.dumps(copy_bandwidth(int(argv[1]))))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny models on CPU: exercises every step of the script")
+    p.add_argument("--work", type=Path, default=Path(f"/tmp/trainer-gpu-check-{os.getpid()}"))
+    p.add_argument("--out", type=Path, default=None,
+                   help="result JSON (default: benchmarks/results/gpu.json on a GPU, stdout only with --cpu-smoke)")
+    p.add_argument("--budget-s", type=float, default=450.0,
+                   help="skip the remaining parts once this much time is spent")
+    args = p.parse_args(argv)
+    if args.cpu_smoke:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    args.work.mkdir(parents=True, exist_ok=True)
+    out = args.out or (None if args.cpu_smoke else harness.ROOT / "benchmarks" / "results" / "gpu.json")
+    result = check(args.work, smoke=args.cpu_smoke, budget_s=args.budget_s)
+    result["command"] = " ".join(["python", "benchmarks/gpu_check.py", *argv])
+    result.update(harness.provenance())
+    text = json.dumps(result, indent=1)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
