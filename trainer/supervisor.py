@@ -170,10 +170,14 @@ class Supervisor:
         t0 = time.time()
         self.events.write("supervisor_start", pid=os.getpid())
         same_step_failures, restarts, last_fail_step = 0, 0, "unset"
+        interim_ledger = False
         number = 0
         while True:
             number += 1
             att = self._start(number)
+            if interim_ledger:  # off the critical path: the new worker is already starting up
+                self._write_ledger(t0, restarts, final=False)
+                interim_ledger = False
             code = self._wait(att)
             step = _last_step(self.run_dir)
             self.events.write("worker_exit", step=step, pid=att.proc.pid, attempt=number, **att.proc.describe_exit(),
@@ -213,7 +217,7 @@ class Supervisor:
                                                             self.sc.backoff_max_s)
             restarts += 1
             self.events.write("restart", step=step, reason=reason, attempt=number + 1, backoff_s=delay)
-            self._write_ledger(t0, restarts, final=False)
+            interim_ledger = True
             print(f"supervisor: worker failed ({reason}) at step {step}; restarting in {delay:.1f}s "
                   f"(restart {restarts}/{self.sc.max_restarts})", file=sys.stderr)
             time.sleep(delay)
