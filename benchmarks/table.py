@@ -79,7 +79,7 @@ def _support(d: dict) -> list[str]:
         first = (rc.get("recoveries_s") or [{}])[0]
         parts = ", ".join(f"{k} {f(v)}" for k, v in first.items() if k != "first_step_number")
         lines.append(f"- recovery (s): {parts}; cold start {f(cold.get('total'))} (compile {f(cold.get('compile'))});"
-                     f" ratio without the supervisor's 1 s backoff {f(rc.get('recovery_vs_cold_without_backoff'))}")
+                     f" ratio without the restart delay {f(rc.get('recovery_vs_cold_without_backoff'))}")
     if dh := d.get("data_headroom"):
         g = dh.get("gpu_124m_shape", {})
         lines.append(f"- data: pipeline {f(dh.get('pipeline_tokens_per_s'))} tok/s vs trainer "
