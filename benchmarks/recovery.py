@@ -105,7 +105,8 @@ def measure(work: Path, cache: Path, quick: bool) -> dict:
         "setup": f"configs/tiny.yaml supervised, checkpoint every {every} steps, fresh run.compile_cache dir "
                  f"(cold = first start with an empty cache; the tokenized corpus is cached per machine); "
                  f"worker SIGKILLed from outside {len(kills)}x, each time 2 steps after a committed checkpoint; "
-                 "supervisor defaults (poll 0.5 s; a failure at a new step restarts at once, repeats back off from 1 s)",
+                 "supervisor defaults (poll 0.5 s; a failure at a new step restarts at once, "
+                 "repeats back off from 1 s)",
     }
 
 

@@ -67,6 +67,12 @@ def _legend(ax) -> None:
         ax.legend(loc="best", fontsize=8)
 
 
+def _save(fig, plt, out: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
 def _alert_spans(ax, events: list[dict], kind: str, colour: str) -> None:
     start, last_step, labelled = None, 0, False
     for e in events:
@@ -90,9 +96,7 @@ def plot_loss(v: status.RunView, plt, out: Path) -> None:
     ax.set_ylabel("loss")
     ax.set_title(f"Loss ({len(attempts)} attempt{'s' if len(attempts) != 1 else ''}; dashed = a later attempt)")
     _legend(ax)
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+    _save(fig, plt, out)
 
 
 def plot_grad_norm(v: status.RunView, plt, out: Path) -> None:
@@ -106,9 +110,7 @@ def plot_grad_norm(v: status.RunView, plt, out: Path) -> None:
     ax.set_ylabel("norm (log scale)")
     ax.set_title("Gradient norm: the leading indicator")
     _legend(ax)
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+    _save(fig, plt, out)
 
 
 def plot_throughput(v: status.RunView, plt, out: Path) -> None:
@@ -124,9 +126,7 @@ def plot_throughput(v: status.RunView, plt, out: Path) -> None:
         ax.secondary_yaxis("right", functions=(lambda t: t * k, lambda m: m / k)).set_ylabel("MFU % (right axis)")
     _legend(ax)
     ax.set_title("Throughput and MFU (a dip right after a checkpoint step is save blocking)")
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+    _save(fig, plt, out)
 
 
 def plot_goodput(led: dict, restarts: int, plt, out: Path) -> None:
@@ -142,9 +142,7 @@ def plot_goodput(led: dict, restarts: int, plt, out: Path) -> None:
     ax.set_xlabel("wall-clock seconds")
     ax.set_title(f"Goodput: where the {led['wall_s']:.0f}s went ({restarts} restart{'s' if restarts != 1 else ''})")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, fontsize=8, frameon=False)
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+    _save(fig, plt, out)
 
 
 def _markdown(v: status.RunView, led: dict, pngs: list[str]) -> str:
