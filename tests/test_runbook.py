@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer import runbook
+from trainer import goodput, runbook
 from trainer.config import Config, ConfigError, Fault, RunbookConfig, load_config
 from trainer.data import batch_index
 from trainer.faults import FaultInjector
@@ -161,7 +161,7 @@ def test_a_restarted_detector_judges_against_the_history_before_it(tmp_path):
 def test_recent_steps_reads_backwards_across_blocks(tmp_path, monkeypatch):
     recs = [{"event": "step", "step": s, "loss": float(s), "pad": "x" * 50} for s in range(1, 101)]
     _write_events(tmp_path / "e.jsonl", recs)
-    lines = list(runbook._reverse_lines(tmp_path / "e.jsonl", block=37))
+    lines = list(goodput._lines_backwards(tmp_path / "e.jsonl", block=37))
     assert [json.loads(x)["step"] for x in lines] == list(range(100, 0, -1))
     got = runbook.recent_steps(tmp_path / "e.jsonl", upto=70, n=5)
     assert [r["step"] for r in got] == [66, 67, 68, 69, 70]

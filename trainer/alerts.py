@@ -176,9 +176,14 @@ class HealthMonitor:
 def write_markers(run_dir: Path, scalars) -> None:
     """Restart and runbook markers for what happened since the previous worker got going: each becomes a
     markers/<name> scalar at its step and a line of TensorBoard text."""
-    evs = goodput.read_events(Path(run_dir) / "events.jsonl")
-    last_ready = max((i for i, e in enumerate(evs) if e["event"] == "worker_ready"), default=-1)
-    for e in evs[last_ready + 1:]:
+    # Read backwards to the previous worker_ready: this runs on every restart, and a weeks-long run's
+    # history must not be parsed on the recovery path.
+    since = []
+    for e in goodput.events_newest_first(Path(run_dir) / "events.jsonl"):
+        if e["event"] == "worker_ready":
+            break
+        since.append(e)
+    for e in reversed(since):
         name = MARKERS.get(e["event"])
         if name and e.get("step") is not None:
             scalars.add(e["step"], {f"markers/{name}": 1.0})

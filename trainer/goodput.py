@@ -8,7 +8,9 @@ work lost in the step that was running when a worker died). No jax here: the sup
 from __future__ import annotations
 
 import json
+import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 CATEGORIES = ("productive", "recompute", "checkpoint", "startup", "restart")
@@ -25,6 +27,33 @@ def read_events(path: Path) -> list[dict]:
             except ValueError:  # a line torn by a kill mid-write
                 continue
     return out
+
+
+def _lines_backwards(path: Path, block: int = 1 << 16) -> Iterator[bytes]:
+    """Lines of a file from the last to the first, reading only as much as the caller consumes."""
+    with open(path, "rb") as fh:
+        pos = fh.seek(0, os.SEEK_END)
+        rest = b""
+        while pos > 0:
+            n = min(block, pos)
+            pos -= n
+            fh.seek(pos)
+            lines = (fh.read(n) + rest).split(b"\n")
+            rest = lines[0]
+            yield from (line for line in reversed(lines[1:]) if line)
+        if rest:
+            yield rest
+
+
+def events_newest_first(path: Path) -> Iterator[dict]:
+    """events.jsonl from the end: readers that need only the recent past never parse a long history."""
+    if not Path(path).is_file():
+        return
+    for line in _lines_backwards(Path(path)):
+        try:
+            yield json.loads(line)
+        except ValueError:  # a line torn by a kill mid-write
+            continue
 
 
 def _sessions(events: list[dict], t_end: float) -> list[tuple[float, float, list[dict]]]:

@@ -11,9 +11,10 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from trainer import goodput
 from trainer.config import Config, OptimConfig, RunbookConfig
 
 STATE_FILE = "runbook.json"
@@ -149,37 +150,11 @@ def _fields(signal: str, value: float, bars: dict) -> dict:
             "std": bars["std"], "sigma": (value - bars["mean"]) / bars["std"] if bars["std"] else math.inf}
 
 
-def _reverse_lines(path: Path, block: int = 1 << 16) -> Iterator[bytes]:
-    """Lines of a file from the last to the first, reading only as much as the caller consumes."""
-    with open(path, "rb") as fh:
-        pos = fh.seek(0, os.SEEK_END)
-        rest = b""
-        while pos > 0:
-            n = min(block, pos)
-            pos -= n
-            fh.seek(pos)
-            lines = (fh.read(n) + rest).split(b"\n")
-            rest = lines[0]
-            yield from (line for line in reversed(lines[1:]) if line)
-        if rest:
-            yield rest
-
-
-def _reverse_events(path: Path) -> Iterator[dict]:
-    if not Path(path).is_file():
-        return
-    for line in _reverse_lines(Path(path)):
-        try:
-            yield json.loads(line)
-        except ValueError:  # a line torn by a kill mid-write
-            continue
-
-
 def recent_steps(path: Path, *, upto: int, n: int) -> list[dict]:
     """The last n `step` records at steps <= upto, oldest first. A step logged twice (recomputed after a
     rewind) counts once, by its latest record: that is the trajectory the run continues from."""
     seen: dict[int, dict] = {}
-    for e in _reverse_events(path):
+    for e in goodput.events_newest_first(path):
         if e.get("event") == "step" and e["step"] <= upto and e["step"] not in seen:
             seen[e["step"]] = e
             if len(seen) == n:
@@ -255,7 +230,7 @@ def decide(history: list[dict], spike: dict, cfg: RunbookConfig) -> str:
 
 def last_spike(events_path: Path) -> dict | None:
     """The spike_exit event of the worker that just exited (None if it wrote none)."""
-    for e in _reverse_events(events_path):
+    for e in goodput.events_newest_first(events_path):
         if e.get("event") == "spike_exit":
             return e
         if e.get("event") == "worker_start":
