@@ -16,17 +16,22 @@ from pathlib import Path
 CATEGORIES = ("productive", "recompute", "checkpoint", "startup", "restart")
 
 
-def read_events(path: Path) -> list[dict]:
+def iter_events(path: Path, skipped: list[str] | None = None) -> Iterator[dict]:
+    """events.jsonl oldest first, streamed (a long run logs millions of steps); unreadable lines (one torn
+    by a kill mid-write) are left out, and appended to `skipped` when given."""
     if not Path(path).is_file():
-        return []
-    out = []
-    with open(path) as fh:
+        return
+    with open(path, errors="replace") as fh:
         for line in fh:
             try:
-                out.append(json.loads(line))
-            except ValueError:  # a line torn by a kill mid-write
-                continue
-    return out
+                yield json.loads(line)
+            except ValueError:
+                if skipped is not None and line.strip():
+                    skipped.append(line)
+
+
+def read_events(path: Path) -> list[dict]:
+    return list(iter_events(path))
 
 
 def _lines_backwards(path: Path, block: int = 1 << 16) -> Iterator[bytes]:

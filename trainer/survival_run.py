@@ -1,6 +1,7 @@
 """Reads the measured checkpoint stall, restart downtime and healthy MFU of a trainer run dir (`survival --from-run`).
 
-Stdlib only: the checkpoint policy reaches it through trainer.survival, which must stay import-light.
+Stdlib only (plus trainer.goodput's stdlib events reader): the checkpoint policy reaches it through
+trainer.survival, which must stay import-light.
 """
 
 from __future__ import annotations
@@ -12,28 +13,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from trainer import goodput
+
 
 def _nonneg(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 
 
 def _events(path: Path, notes: list[str]) -> Iterator[dict[str, Any]]:
-    """Parsed lines of events.jsonl, streamed (long runs log many steps); unreadable lines are counted, not fatal."""
     if not path.is_file():
         notes.append(f"no {path.name}")
         return
-    bad = 0
-    with path.open(errors="replace") as f:
-        for line in f:
-            try:
-                ev = json.loads(line)
-            except json.JSONDecodeError:
-                bad += bool(line.strip())
-                continue
-            if isinstance(ev, dict):
-                yield ev
+    bad: list[str] = []
+    yield from (ev for ev in goodput.iter_events(path, bad) if isinstance(ev, dict))
     if bad:
-        notes.append(f"skipped {bad} unreadable lines in {path.name}")
+        notes.append(f"skipped {len(bad)} unreadable lines in {path.name}")
 
 
 def _restart_from_summary(path: Path) -> tuple[float | None, str]:
