@@ -1,5 +1,5 @@
 """#2 Checkpoint cost on a >= 100M-parameter model (CPU, one device): how long the trainer's async save
-(trainer.checkpoint.Checkpointer, Orbax) blocks training vs a synchronous save of the same state, and
+(trainer.core.checkpoint.Checkpointer, Orbax) blocks training vs a synchronous save of the same state, and
 steady tokens/s with one save per ~10 s of training vs none, in alternating windows of one process.
 """
 
@@ -30,11 +30,11 @@ class _Bench:
         import jax
         import numpy as np
 
-        from trainer import mesh as mesh_lib
-        from trainer import optim
-        from trainer import state as state_lib
-        from trainer.model import GPT
-        from trainer.step import make_train_step
+        from trainer.core import mesh as mesh_lib
+        from trainer.core import optim
+        from trainer.core import state as state_lib
+        from trainer.core.model import GPT
+        from trainer.core.step import make_train_step
 
         self.jax = jax
         mesh = mesh_lib.make_mesh(cfg.mesh)
@@ -137,8 +137,8 @@ def _windows(b: _Bench, ckpt, n: int, rounds: int) -> dict:
 
 
 def measure(work: Path, quick: bool) -> dict:
-    from trainer.checkpoint import Checkpointer
     from trainer.config import CheckpointConfig
+    from trainer.core.checkpoint import Checkpointer
 
     b = _Bench(QUICK_MODEL if quick else MODEL)
     b.steps(2)  # warm-up (first runs allocate)

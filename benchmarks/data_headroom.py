@@ -17,8 +17,8 @@ H200_PEAK = 989e12  # dense bf16 FLOP/s, the trainer's own MFU table
 
 def pipeline_tokens_per_s(*, batch: int, seq_len: int, seconds: float, warmup: int = 10) -> dict:
     """Drain the trainer's grain iterator for `seconds` after `warmup` batches (thread start-up)."""
-    from trainer import data
     from trainer.config import load_config
+    from trainer.core import data
 
     cfg = load_config(harness.TINY, [f"data.batch_size={batch}", f"model.seq_len={seq_len}"])
     corpus = data.prepare(cfg.data)
@@ -41,7 +41,7 @@ def _gpu_124m_consumption() -> float:
     import jax.numpy as jnp
 
     from trainer.config import load_config
-    from trainer.model import GPT, flops_per_token
+    from trainer.core.model import GPT, flops_per_token
 
     m = load_config(str(harness.ROOT / "configs" / "gpt2-124m.yaml")).model
     shapes = jax.eval_shape(lambda: GPT(m).init(jax.random.key(0), jnp.zeros((1, m.seq_len), jnp.int32)))
@@ -64,7 +64,7 @@ def measure(consumed_tokens_per_s: float, quick: bool) -> dict:
         "pipeline": tiny,
         "gpu_124m_shape": dict(gpu_shape, modelled_consumption_tokens_per_s=need,
                                headroom_vs_modelled=gpu_shape["tokens_per_s"] / need),
-        "setup": "trainer.data.make_iterator with configs/tiny.yaml's data settings (grain, 2 read threads, "
+        "setup": "trainer.core.data.make_iterator with configs/tiny.yaml's data settings (grain, 2 read threads, "
                  "prefetch 4), drained alone on the host; consumption = the full trainer's steady tokens/s "
                  "from the step-overhead benchmark",
     }

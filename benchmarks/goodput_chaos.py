@@ -1,5 +1,5 @@
 """#5 Goodput under chaos: the tiny config, supervised, with a crash injected every `period` steps; the
-goodput the supervisor's ledger measured vs what the run-survival model (trainer.survival.expectation)
+goodput the supervisor's ledger measured vs what the run-survival model (trainer.survival.model.expectation)
 predicts from the same run's measured checkpoint stall, restart time, step time and failure rate.
 
 Crashes sit half-way between checkpoints (a checkpoint every 20 steps, a crash every 40 starting at
@@ -28,7 +28,7 @@ def _plan(quick: bool) -> tuple[int, int, list[int]]:
 def predicted(*, productive_s: float, failures: int, every_steps: int, step_s: float, stall_s: float,
               restart_s: float) -> dict:
     """The survival model's useful fraction for this run, with gpus=1 and MTBF = productive time / failures."""
-    from trainer.survival import Inputs, expectation
+    from trainer.survival.model import Inputs, expectation
 
     inp = Inputs(gpus=1, mtbf_hours=productive_s / 3600 / max(failures, 1), interval_min=every_steps * step_s / 60,
                  days=productive_s / 86400, stall_s=stall_s, restart_min=restart_s / 60, mfu=1.0)
@@ -82,7 +82,7 @@ def measure(work: Path, cache: Path, quick: bool) -> dict:
         "wall_s": wall,
         "setup": f"configs/tiny.yaml supervised, {steps} steps, checkpoint every {every} steps, crash faults at "
                  f"steps {crashes}; measured = productive / (wall - first start - final flush); predicted = 1 - "
-                 "wasted_fraction of trainer.survival.expectation(gpus=1, MTBF = productive time / failures, "
+                 "wasted_fraction of trainer.survival.model.expectation(gpus=1, MTBF = productive time / failures, "
                  "interval = every_steps x mean step, stall = median checkpoint blocking, restart = mean "
                  "recovery from summary.json)",
     }

@@ -39,13 +39,13 @@ def _bare_setup(compile_cache: str):
     import jax
     import numpy as np
 
-    from trainer import data, loop, optim
-    from trainer import mesh as mesh_lib
-    from trainer import state as state_lib
-    from trainer.model import GPT
-    from trainer.step import make_train_step
+    from trainer.core import data, optim, worker
+    from trainer.core import mesh as mesh_lib
+    from trainer.core import state as state_lib
+    from trainer.core.model import GPT
+    from trainer.core.step import make_train_step
 
-    loop.setup_compile_cache(cfg.run.compile_cache)
+    worker.setup_compile_cache(cfg.run.compile_cache)
     mesh = mesh_lib.make_mesh(cfg.mesh)
     spec = state_lib.build(GPT(cfg.model), optim.make_optimizer(cfg.optim, cfg.train.steps), mesh,
                            seed=cfg.run.seed, seq_len=cfg.model.seq_len)

@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT, child_env, run_trainer, sets, trainer_cmd
 
 from trainer.config import ConfigError, load_config
-from trainer.model import GPT
+from trainer.core.model import GPT
 
 # Stated sizes (millions of parameters) of every shipped config.
 STATED = {"tiny.yaml": 1.9, "gpt2-124m.yaml": 124, "gpt-1b.yaml": 1000, "gpt-7b.yaml": 6700}

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from conftest import ROOT, child_env, events, run_trainer, trainer_cmd
 
-from trainer import alerts, health
 from trainer.config import Config
+from trainer.observe import alerts, health
 
 FAULTS = ("faults=[{kind: ecc, step: 8}, {kind: slow, step: 14, seconds: 0.4, count: 5}, "
           "{kind: hang, step: 33}]")

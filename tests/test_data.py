@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from trainer.config import DataConfig
-from trainer.data import TokenWindows, batch_index, make_iterator, prepare
+from trainer.core.data import TokenWindows, batch_index, make_iterator, prepare
 
 
 @pytest.fixture(scope="module")

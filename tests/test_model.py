@@ -8,7 +8,7 @@ import numpy as np
 import optax
 
 from trainer.config import ModelConfig
-from trainer.model import GPT, flops_per_token
+from trainer.core.model import GPT, flops_per_token
 
 CFG = ModelConfig(vocab_size=384, seq_len=32, d_model=64, n_layers=2, n_heads=4)
 

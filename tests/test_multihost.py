@@ -17,9 +17,10 @@ import pytest
 from conftest import ROOT, child_env, events, run_trainer, step_losses, summary, trainer_cmd
 from multihost import ONE, TWO, at_step, audit, group_overrides, reference, small_corpus
 
-from trainer import audit as audit_lib
-from trainer import data, distributed, exit_codes, launcher
 from trainer.config import ConfigError, DataConfig, LaunchConfig, load_config
+from trainer.core import data
+from trainer.observe import audit as audit_lib
+from trainer.supervise import exit_codes, launcher, membership
 
 
 @pytest.fixture(scope="module")
@@ -228,18 +229,18 @@ def test_srun_step_command_and_task_errors():
 
 def test_membership_from_explicit_settings_or_a_slurm_step():
     lc = LaunchConfig()
-    assert distributed.detect(lc, {}).source == "single"
-    m = distributed.detect(lc, {"TRAINER_NUM_PROCESSES": "2", "TRAINER_PROCESS_ID": "1",
+    assert membership.detect(lc, {}).source == "single"
+    m = membership.detect(lc, {"TRAINER_NUM_PROCESSES": "2", "TRAINER_PROCESS_ID": "1",
                                 "TRAINER_COORDINATOR": "h:1234"})
     assert (m.processes, m.process_id, m.coordinator) == (2, 1, "h:1234")
     step = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "3", "SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4",
             "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "gpu[012-015]", "TRAINER_ATTEMPT": "2"}
-    m = distributed.detect(lc, step)
+    m = membership.detect(lc, step)
     assert (m.processes, m.process_id, m.coordinator) == (4, 3, "gpu012:20009")
     batch = {k: v for k, v in step.items() if k != "SLURM_STEP_ID"}  # the batch script is not a task
-    assert distributed.detect(lc, batch).processes == 1
+    assert membership.detect(lc, batch).processes == 1
     with pytest.raises(ConfigError, match="TRAINER_COORDINATOR"):
-        distributed.detect(lc, {"TRAINER_NUM_PROCESSES": "2", "TRAINER_PROCESS_ID": "0"})
+        membership.detect(lc, {"TRAINER_NUM_PROCESSES": "2", "TRAINER_PROCESS_ID": "0"})
 
 
 def test_launch_config_is_validated():

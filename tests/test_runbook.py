@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from trainer import goodput, runbook
 from trainer.config import Config, ConfigError, Fault, RunbookConfig, load_config
-from trainer.data import batch_index
-from trainer.faults import FaultInjector
+from trainer.core.data import batch_index
+from trainer.observe import events, spikes
+from trainer.supervise import runbook
+from trainer.supervise.faults import FaultInjector
 
 DATA = Path(__file__).parent / "data"
 
@@ -25,7 +26,7 @@ def _cfg(**kw) -> RunbookConfig:
 def _detector(cfg: RunbookConfig | None = None, *, stop_step: int = 10_000, events_path: Path | None = None,
               skips: tuple[int, ...] = ()):
     logged = []
-    det = runbook.SpikeDetector(
+    det = spikes.SpikeDetector(
         cfg or _cfg(), log=lambda event, **f: logged.append({"event": event, **f}),
         batch_of=lambda s: batch_index(s - 1, list(skips)), stop_step=stop_step, events_path=events_path)
     return det, logged
@@ -161,9 +162,9 @@ def test_a_restarted_detector_judges_against_the_history_before_it(tmp_path):
 def test_recent_steps_reads_backwards_across_blocks(tmp_path, monkeypatch):
     recs = [{"event": "step", "step": s, "loss": float(s), "pad": "x" * 50} for s in range(1, 101)]
     _write_events(tmp_path / "e.jsonl", recs)
-    lines = list(goodput._lines_backwards(tmp_path / "e.jsonl", block=37))
+    lines = list(events._lines_backwards(tmp_path / "e.jsonl", block=37))
     assert [json.loads(x)["step"] for x in lines] == list(range(100, 0, -1))
-    got = runbook.recent_steps(tmp_path / "e.jsonl", upto=70, n=5)
+    got = spikes.recent_steps(tmp_path / "e.jsonl", upto=70, n=5)
     assert [r["step"] for r in got] == [66, 67, 68, 69, 70]
 
 

@@ -16,7 +16,7 @@ from conftest import ROOT, child_env, events, run_trainer, step_losses, summary,
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from benchmarks.runbook_spike import write_corpora
-from trainer import exit_codes
+from trainer.supervise import exit_codes
 
 # Micro runs leave their fast early drop by step ~20: judge from there, on a short window.
 RB = ["runbook.window=16", "runbook.min_history=8", "runbook.warmup_steps=20", "runbook.probe_steps=4",

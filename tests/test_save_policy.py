@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from trainer.checkpoint import SavePolicy
 from trainer.config import CheckpointConfig, ConfigError, load_config
-from trainer.survival import recommend_interval_min
+from trainer.core.checkpoint import SavePolicy
+from trainer.survival.model import recommend_interval_min
 
 
 def test_step_cadence_and_no_time_cadence_by_default():

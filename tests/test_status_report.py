@@ -12,7 +12,7 @@ from pathlib import Path
 import matplotlib.image
 from conftest import ROOT, child_env, trainer_cmd
 
-from trainer import status
+from trainer.observe import status
 
 PNGS = ("loss.png", "grad_norm.png", "throughput.png", "goodput.png")
 # A crash at step 12 (restart from the step-10 checkpoint), then slow steps so the run stays observable.

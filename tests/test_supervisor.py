@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 from conftest import ROOT, child_env, events, run_trainer, step_losses, summary, trainer_cmd
 
-from trainer import exit_codes
+from trainer.supervise import exit_codes
 
 LONG = ["train.steps=60"]  # long enough to be killed several times
 

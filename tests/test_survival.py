@@ -11,15 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from trainer import survival
-from trainer.survival import Inputs, exact, expectation, recommend_interval_min, sweep
+from trainer.survival import cli
+from trainer.survival import model as survival
+from trainer.survival.model import Inputs, exact, expectation, recommend_interval_min, sweep
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT = Inputs()  # 1,024 GPUs, MTBF 50,000 h, 60 min, 21 days, 5 s stall, 10 min restart, MFU 0.45
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    rc = survival.main(list(argv))
+    rc = cli.main(list(argv))
     out, err = capsys.readouterr()
     return rc, out, err
 
@@ -135,7 +136,8 @@ def test_recommend_interval_min() -> None:
 
 
 def test_import_is_light() -> None:
-    code = "import sys, trainer.survival; print([m for m in ('jax', 'numpy', 'matplotlib') if m in sys.modules])"
+    code = ("import sys, trainer.survival.model, trainer.survival.cli; "
+            "print([m for m in ('jax', 'numpy', 'matplotlib') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

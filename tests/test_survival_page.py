@@ -21,8 +21,9 @@ from typing import Any
 
 import pytest
 
-from trainer import survival
-from trainer.survival import Inputs, exact, expectation, recommend_interval_min
+from trainer.survival import cli
+from trainer.survival import model as survival
+from trainer.survival.model import Inputs, exact, expectation, recommend_interval_min
 
 CHROMIUM = "/usr/bin/chromium"
 READOUTS = ["expected_failures", "lost_per_crash_gpu_hours", "recompute_gpu_hours", "checkpoint_overhead_gpu_hours",
@@ -126,7 +127,7 @@ def page_for(inp: Inputs, tmp_path: Path, name: str) -> str:
             "--interval-min", "never" if inp.interval_min is None else str(inp.interval_min),
             "--stall-s", str(inp.stall_s), "--restart-min", str(inp.restart_min), "--mfu", str(inp.mfu),
             "--html", str(path)]
-    assert survival.main(argv) == 0
+    assert cli.main(argv) == 0
     text = path.read_text()
     assert "http://" not in text and "https://" not in text and "<script src" not in text  # self-contained
     return path.as_uri()

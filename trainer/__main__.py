@@ -1,4 +1,7 @@
-"""Command line: `python -m trainer --config FILE [--set key=value ...]` and the subcommands."""
+"""Command line: `python -m trainer --config FILE [--set key=value ...]` and the subcommands.
+
+jax-free until it runs a worker: the supervisor and every subcommand start without the accelerator stack.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +12,10 @@ import sys
 from trainer.config import Config, ConfigError, load_config
 
 SUBCOMMANDS = {
-    "survival": "trainer.survival",  # run-survival simulator
-    "status": "trainer.status",  # one-screen health summary of a running or finished run
-    "report": "trainer.report",  # PNG plots + report.md of a run into RUN_DIR/report/
-    "audit": "trainer.audit",  # prove exactly-once data consumption from a run dir
+    "survival": "trainer.survival.cli",  # run-survival simulator
+    "status": "trainer.observe.status",  # one-screen health summary of a running or finished run
+    "report": "trainer.observe.report",  # PNG plots + report.md of a run into RUN_DIR/report/
+    "audit": "trainer.observe.audit",  # prove exactly-once data consumption from a run dir
 }
 
 
@@ -36,10 +39,10 @@ def configure_devices(cfg: Config) -> None:
 
 def run_worker(cfg: Config) -> int:
     configure_devices(cfg)
-    from trainer import distributed
+    from trainer.core import distributed
 
     distributed.initialize(cfg.launch, cpu=bool(cfg.mesh.cpu_devices))
-    from trainer import loop
+    from trainer.core import loop
 
     return loop.run(cfg)
 
@@ -54,7 +57,7 @@ def main(argv: list[str]) -> int:
         cfg = load_config(args.config, args.set)
         if args.worker or not cfg.run.supervise:
             return run_worker(cfg)
-        from trainer import supervisor
+        from trainer.supervise import supervisor
 
         return supervisor.main(cfg, args.config, args.set)
     except ConfigError as e:

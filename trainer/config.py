@@ -318,7 +318,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.stop_at_step ({cfg.train.stop_at_step}) is past train.steps ({cfg.train.steps})")
     if not cfg.run.dir:
         raise ConfigError("run.dir must be set (e.g. --set run.dir=runs/mine)")
-    from trainer.faults import KINDS  # local: faults imports config
+    from trainer.supervise.faults import KINDS  # local: faults imports config
 
     for i, f in enumerate(cfg.faults):
         if f.kind not in KINDS:

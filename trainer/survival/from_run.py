@@ -1,7 +1,7 @@
 """Reads the measured checkpoint stall, restart downtime and healthy MFU of a trainer run dir (`survival --from-run`).
 
-Stdlib only (plus trainer.goodput's stdlib events reader): the checkpoint policy reaches it through
-trainer.survival, which must stay import-light.
+Stdlib only (plus the run's event reader): the checkpoint policy reaches the survival model, which must
+stay import-light.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from trainer import goodput
+from trainer.observe.events import iter_events
 
 
 def _nonneg(v: Any) -> bool:
@@ -25,7 +25,7 @@ def _events(path: Path, notes: list[str]) -> Iterator[dict[str, Any]]:
         notes.append(f"no {path.name}")
         return
     bad: list[str] = []
-    yield from (ev for ev in goodput.iter_events(path, bad) if isinstance(ev, dict))
+    yield from (ev for ev in iter_events(path, bad) if isinstance(ev, dict))
     if bad:
         notes.append(f"skipped {len(bad)} unreadable lines in {path.name}")
 

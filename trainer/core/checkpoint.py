@@ -70,7 +70,7 @@ class SavePolicy:
         self._last = time.time()
         if self._cfg.every_minutes != "auto":
             return None
-        from trainer.survival import recommend_interval_min
+        from trainer.survival.model import recommend_interval_min
 
         self.minutes = recommend_interval_min(stall_s=max(blocking_s, 1e-3), restart_s=self._restart_s,
                                               gpus=self._devices, mtbf_hours=self._cfg.mtbf_hours)

@@ -1,6 +1,6 @@
 """Presentation for `python -m trainer survival`: the text table, the PNG U-curve and the interactive HTML page.
 
-The page's JavaScript re-implements trainer.survival.expectation; tests/test_survival_page.py keeps them equal.
+The page's JavaScript re-implements trainer.survival.model.expectation; tests/test_survival_page.py keeps them equal.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from trainer.survival import (
+from trainer.survival.model import (
     NEVER_FINISHES_RATIO,
     Inputs,
     expectation,

@@ -14,8 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-from trainer import goodput, heartbeat
 from trainer.config import Config, ConfigError, load_config
+from trainer.observe import goodput
+from trainer.observe.events import read_events
+from trainer.observe.progress import fmt_duration
+from trainer.supervise import heartbeat
 
 TERMINAL = {"run_complete": "COMPLETE", "gave_up": "FAILED", "preempted": "PREEMPTED", "stopped": "STOPPED",
             "spike_exit": "SPIKE EXIT", "runbook_gave_up": "FAILED (the spike runbook gave up)"}
@@ -53,7 +56,7 @@ def load(run_dir: str | Path) -> RunView:
     except ConfigError:  # written by another version of the trainer: its defaults are close enough here
         cfg = Config()
     summary_path = run_dir / "summary.json"
-    return RunView(run_dir=run_dir, cfg=cfg, events=goodput.read_events(run_dir / "events.jsonl"),
+    return RunView(run_dir=run_dir, cfg=cfg, events=read_events(run_dir / "events.jsonl"),
                    heartbeat=heartbeat.read(heartbeat.heartbeat_path(run_dir, 0)),
                    summary=json.loads(summary_path.read_text()) if summary_path.is_file() else {}, now=time.time())
 
@@ -87,10 +90,7 @@ def run_state(v: RunView) -> tuple[str, bool]:
 
 
 def overdue_limit(v: RunView, phase: str) -> float:
-    sc = v.cfg.supervisor
-    timeout = {"startup": sc.startup_timeout_s, "compile": sc.startup_timeout_s, "restore": sc.restore_timeout_s,
-               "checkpoint": sc.checkpoint_timeout_s, "done": sc.checkpoint_timeout_s}.get(phase, sc.step_timeout_s)
-    return v.cfg.alerts.overdue_fraction * timeout
+    return v.cfg.alerts.overdue_fraction * heartbeat.phase_timeout(v.cfg.supervisor, phase)
 
 
 def open_alerts(events: list[dict]) -> list[dict]:
@@ -129,11 +129,6 @@ def steady_step_s(run_dir: str | Path, *, skip_first: int = 5) -> float:
     return statistics.median(times) if times else float("nan")
 
 
-def _fmt_s(s: float) -> str:
-    s = max(int(s), 0)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
 def _median_of(recs: list[dict], key: str) -> float:
     vals = [r[key] for r in recs if key in r]
     return statistics.median(vals) if vals else float("nan")
@@ -169,20 +164,20 @@ def _progress_line(v: RunView, steps: dict[int, dict], live: bool) -> str:
     line = f"step      {step}/{total} ({step / total:.0%})"
     if live and steps and step < total:
         recent = [steps[k] for k in sorted(steps)[-20:]]
-        line += f"   ETA {_fmt_s((total - step) * _median_of(recent, 'step_s'))}"
+        line += f"   ETA {fmt_duration((total - step) * _median_of(recent, 'step_s'))}"
     hb = v.heartbeat
     if hb:
         age = v.now - hb["time"]
         line += f"   heartbeat {age:.1f}s ago (phase {hb['phase']}, step {hb['step']})"
         if live and age > overdue_limit(v, hb["phase"]):
-            line += f"  << OVERDUE: no progress for {_fmt_s(age)}"
+            line += f"  << OVERDUE: no progress for {fmt_duration(age)}"
     return line
 
 
 def _ops_lines(v: RunView, live: bool) -> list[str]:
     saves = [e for e in v.events if e["event"] == "checkpoint_saved"]
-    out = [f"ckpt      step {saves[-1]['step']} ({saves[-1].get('reason', '?')}), {_fmt_s(v.now - saves[-1]['time'])} "
-           f"ago; {len(saves)} saves" if saves else "ckpt      none yet"]
+    out = [f"ckpt      step {saves[-1]['step']} ({saves[-1].get('reason', '?')}), "
+           f"{fmt_duration(v.now - saves[-1]['time'])} ago; {len(saves)} saves" if saves else "ckpt      none yet"]
     restarts = [e for e in v.events if e["event"] == "restart"]
     why = "; ".join(f"{e.get('reason', '?')} at step {e.get('step')}" for e in restarts[-3:])
     out.append(f"restarts  {len(restarts)}" + (f"  (last: {why})" if restarts else ""))
@@ -193,7 +188,7 @@ def _ops_lines(v: RunView, live: bool) -> list[str]:
     led = ledger_now(v, live)
     fr = led["goodput"]["fractions"]
     shares = "  ".join(f"{k} {fr[k]:.0%}" for k in goodput.CATEGORIES)
-    out.append(f"goodput   {shares}   of {_fmt_s(led['wall_s'])}")
+    out.append(f"goodput   {shares}   of {fmt_duration(led['wall_s'])}")
     return out
 
 
@@ -207,7 +202,8 @@ def _alert_lines(v: RunView, live: bool) -> list[str]:
     hb = v.heartbeat
     if live and hb and v.now - hb["time"] > overdue_limit(v, hb["phase"]) and not any(
             a["kind"] == "step_overdue" for a in alerts):
-        out.append(f"  ! step_overdue (from the heartbeat): phase {hb['phase']} silent {_fmt_s(v.now - hb['time'])}")
+        silent = fmt_duration(v.now - hb["time"])
+        out.append(f"  ! step_overdue (from the heartbeat): phase {hb['phase']} silent {silent}")
     return out
 
 

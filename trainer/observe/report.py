@@ -11,9 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from trainer import goodput, status
-from trainer.alerts import ALERTS
 from trainer.config import ConfigError
+from trainer.observe import goodput, status
+from trainer.observe.alerts import ALERTS
 
 # event -> (label, colour, line style) of the vertical markers drawn on the series plots
 MARKER_STYLE = {

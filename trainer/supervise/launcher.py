@@ -18,8 +18,8 @@ import time
 import uuid
 from collections.abc import Mapping
 
-from trainer import distributed, exit_codes
 from trainer.config import ConfigError, LaunchConfig
+from trainer.supervise import exit_codes, membership
 
 PR_SET_PDEATHSIG = 1
 # Exits the worker chose (its peers follow within moments); anything else means the group is broken.
@@ -110,9 +110,9 @@ class LocalGroup(Group):
         self._grace_s = grace_s
         base = dict(env, **{ENV_LAUNCH_ID: self.launch_id})
         if processes > 1:
-            base.update({distributed.ENV_PROCESSES: str(processes),
-                         distributed.ENV_COORDINATOR: f"127.0.0.1:{port}"})
-        self.procs = [_spawn(argv, dict(base, **({distributed.ENV_PROCESS_ID: str(i)} if processes > 1 else {})))
+            base.update({membership.ENV_PROCESSES: str(processes),
+                         membership.ENV_COORDINATOR: f"127.0.0.1:{port}"})
+        self.procs = [_spawn(argv, dict(base, **({membership.ENV_PROCESS_ID: str(i)} if processes > 1 else {})))
                       for i in range(processes)]
         self.pid = self.procs[0].pid
         self.stdout = _Merged([p.stdout for p in self.procs], label=processes > 1)
@@ -269,7 +269,7 @@ class Launcher:
                                   f"{need} nodes; the allocation has {len(self.allocated)}")
 
     def start(self, attempt: int, argv: list[str], env: Mapping[str, str]) -> Group:
-        env = dict(env, **{distributed.ENV_ATTEMPT: str(attempt)})
+        env = dict(env, **{membership.ENV_ATTEMPT: str(attempt)})
         if self.cfg.mode == "local":
             port = self.cfg.coordinator_port + attempt if self.cfg.coordinator_port else free_port()
             self._last = LocalGroup(argv, env, processes=self.cfg.processes, port=port,
@@ -281,7 +281,7 @@ class Launcher:
         nodes, n = plan_nodes(self.allocated, self.suspects, processes=self.cfg.processes,
                               per_node=self.cfg.processes_per_node, min_processes=self.cfg.min_processes)
         launch_id = f"trainer-{uuid.uuid4().hex[:8]}"
-        env.update({ENV_LAUNCH_ID: launch_id, distributed.ENV_PORT: str(distributed.slurm_port(self.cfg, env))})
+        env.update({ENV_LAUNCH_ID: launch_id, membership.ENV_PORT: str(membership.slurm_port(self.cfg, env))})
         cmd = srun_command(argv, nodes=nodes, processes=n, per_node=self.cfg.processes_per_node, launch_id=launch_id)
         self._last = SrunGroup(cmd, env, processes=n, nodes=nodes, launch_id=launch_id, job_id=self.job)
         return self._last

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import collections
 import fcntl
-import json
 import os
 import shutil
 import signal
@@ -18,31 +17,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer import alerts, exit_codes, goodput, heartbeat, launcher, runbook
 from trainer.config import Config
-
-
-class Events:
-    """Supervisor events; held back until the worker has accepted the config, so that a bad
-    config never writes into an existing run dir."""
-
-    def __init__(self, path: Path):
-        self._path, self._held, self._fh = path, [], None
-
-    def write(self, event: str, step: int | None = None, **fields) -> None:
-        rec = {"event": event, "time": time.time(), **({"step": step} if step is not None else {}),
-               "by": "supervisor", **fields}
-        if self._fh:
-            self._fh.write(json.dumps(rec) + "\n")
-        else:
-            self._held.append(rec)
-
-    def open(self) -> None:
-        if self._fh is None:
-            self._fh = open(self._path, "a", buffering=1)
-            for rec in self._held:
-                self._fh.write(json.dumps(rec) + "\n")
-            self._held = []
+from trainer.observe import goodput, rundir
+from trainer.observe.alerts import ALERTS
+from trainer.observe.events import EventLog, read_events
+from trainer.supervise import exit_codes, heartbeat, launcher, runbook
 
 
 @dataclass
@@ -59,7 +38,8 @@ class Supervisor:
         self.cfg, self.sc = cfg, cfg.supervisor
         self.run_dir = Path(cfg.run.dir)
         self.worker_argv = [sys.executable, "-m", "trainer", "--worker", *argv]
-        self.events = Events(self.run_dir / "events.jsonl")
+        # Held back until a worker has accepted the config: a bad config never writes into an existing run dir.
+        self.events = EventLog(self.run_dir / rundir.EVENTS, by="supervisor", hold=True)
         self.stop_signal: int | None = None
         self.accepted = False  # the worker got past config validation at least once
         self.launcher = launcher.Launcher(cfg.launch)
@@ -92,9 +72,7 @@ class Supervisor:
             log.close()
 
     def _timeout(self, phase: str) -> float:
-        sc = self.sc
-        return {"startup": sc.startup_timeout_s, "compile": sc.startup_timeout_s, "restore": sc.restore_timeout_s,
-                "checkpoint": sc.checkpoint_timeout_s, "done": sc.checkpoint_timeout_s}.get(phase, sc.step_timeout_s)
+        return heartbeat.phase_timeout(self.sc, phase)
 
     def _heartbeats(self, att: Attempt) -> list[dict | None]:
         """Each process's heartbeat from this attempt (None until it writes one)."""
@@ -125,7 +103,7 @@ class Supervisor:
         limit = self.cfg.alerts.overdue_fraction * self._timeout(phase)
         if silent > limit and self.overdue is None:
             self.overdue = (att.proc.pid, since)
-            meaning, action = alerts.ALERTS["step_overdue"]
+            meaning, action = ALERTS["step_overdue"]
             self.events.write("alert", step=step, kind="step_overdue", phase=phase, silent_s=silent,
                               detail=f"phase {phase}: no heartbeat for {silent:.0f}s (alert at {limit:.0f}s, "
                                      f"killed at {self._timeout(phase):.0f}s)", meaning=meaning, runbook=action)
@@ -243,17 +221,17 @@ class Supervisor:
     def _write_ledger(self, t0: float, restarts: int, *, final: bool = True) -> None:
         """Goodput to TensorBoard (at each restart too, so the dashboard shows it during the run); at the
         end of a session also into summary.json, followed by the run report."""
-        ledger = goodput.ledger(goodput.read_events(self.run_dir / "events.jsonl"), t0, time.time())
+        ledger = goodput.ledger(read_events(self.run_dir / rundir.EVENTS), t0, time.time())
         goodput.to_tensorboard(self.run_dir / "tb", ledger, restarts, _last_step(self.run_dir) or 0)
         if not final:
             return
-        path = self.run_dir / "summary.json"
-        summary = json.loads(path.read_text()) if path.is_file() else {}
+        path = self.run_dir / rundir.SUMMARY
+        summary = rundir.read_json(path) or {}
         summary.update(goodput=ledger["goodput"], restarts=restarts, recoveries_s=ledger["recoveries_s"],
                        wall_s=ledger["wall_s"])
-        path.write_text(json.dumps(summary, indent=1))
+        rundir.write_json(path, summary)
         if self.cfg.log.report:
-            from trainer import report  # matplotlib: loaded only when a run ends
+            from trainer.observe import report  # matplotlib: loaded only when a run ends
 
             report.write_safely(self.run_dir, self.events.write)
 

@@ -18,6 +18,7 @@ import grain
 import numpy as np
 
 from trainer.config import ConfigError, DataConfig
+from trainer.observe.rundir import atomic_write, write_json
 
 TOKENIZER = "bytes+eos"  # ids 0..255 are bytes, 256 separates documents
 EOS = 256
@@ -89,9 +90,7 @@ def prepare(cfg: DataConfig) -> Corpus:
     else:
         tokens = _encode(files)
         cache.mkdir(parents=True, exist_ok=True)
-        tmp = cache / "tokens.bin.tmp"
-        tokens.tofile(tmp)
-        tmp.rename(cache / "tokens.bin")
+        atomic_write(cache / "tokens.bin", tokens.tobytes())
         meta = {
             "tokenizer": TOKENIZER,
             "vocab_size": TOKENIZER_VOCAB,
@@ -101,8 +100,7 @@ def prepare(cfg: DataConfig) -> Corpus:
             "fingerprint": hashlib.sha256(tokens.tobytes()).hexdigest(),
             "source": source,
         }
-        meta_path.with_suffix(".tmp").write_text(json.dumps(meta, indent=1))
-        meta_path.with_suffix(".tmp").rename(meta_path)
+        write_json(meta_path, meta)
     return Corpus(cache / "tokens.bin", meta["n_tokens"], meta["fingerprint"], meta["source"])
 
 

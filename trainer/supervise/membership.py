@@ -1,7 +1,6 @@
-"""Multi-process initialisation: who this process is (explicit settings, a SLURM step, or alone),
-joining the jax.distributed group with CPU collectives in test mode, and the coordinator's port.
-
-`detect` never imports jax, so the supervisor can use the same rules as the workers.
+"""Process-group membership: who this process is (explicit settings, a SLURM step, or alone) and where
+its coordinator listens. No jax: the launcher and the workers use the same rules; joining the group is
+trainer.core.distributed.
 """
 
 from __future__ import annotations
@@ -61,18 +60,3 @@ def detect(cfg: LaunchConfig, env: Mapping[str, str] = os.environ) -> Membership
         host = first_host(env["SLURM_STEP_NODELIST"])
         return Membership(n, int(env["SLURM_PROCID"]), f"{host}:{port}", "slurm")
     return Membership(1, 0, "", "single")
-
-
-def initialize(cfg: LaunchConfig, *, cpu: bool) -> Membership:
-    """Join the process group when this is one of several processes; a no-op for a single one.
-    Must run before anything initialises a jax backend."""
-    me = detect(cfg)
-    if me.processes <= 1:
-        return me
-    import jax
-
-    if cpu:  # fake CPU devices in several processes talk through gloo over TCP
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=me.coordinator, num_processes=me.processes,
-                               process_id=me.process_id, initialization_timeout=cfg.init_timeout_s)
-    return me

@@ -10,8 +10,9 @@ import collections
 import statistics
 from pathlib import Path
 
-from trainer import goodput, health
 from trainer.config import Config
+from trainer.observe import health
+from trainer.observe.events import events_newest_first
 
 # kind -> (what it likely means, what the runbook does about it)
 ALERTS = {
@@ -179,7 +180,7 @@ def write_markers(run_dir: Path, scalars) -> None:
     # Read backwards to the previous worker_ready: this runs on every restart, and a weeks-long run's
     # history must not be parsed on the recovery path.
     since = []
-    for e in goodput.events_newest_first(Path(run_dir) / "events.jsonl"):
+    for e in events_newest_first(Path(run_dir) / "events.jsonl"):
         if e["event"] == "worker_ready":
             break
         since.append(e)

@@ -7,58 +7,12 @@ work lost in the step that was running when a worker died). No jax here: the sup
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
+from trainer.observe.tensorboard import Writer
+
 CATEGORIES = ("productive", "recompute", "checkpoint", "startup", "restart")
-
-
-def iter_events(path: Path, skipped: list[str] | None = None) -> Iterator[dict]:
-    """events.jsonl oldest first, streamed (a long run logs millions of steps); unreadable lines (one torn
-    by a kill mid-write) are left out, and appended to `skipped` when given."""
-    if not Path(path).is_file():
-        return
-    with open(path, errors="replace") as fh:
-        for line in fh:
-            try:
-                yield json.loads(line)
-            except ValueError:
-                if skipped is not None and line.strip():
-                    skipped.append(line)
-
-
-def read_events(path: Path) -> list[dict]:
-    return list(iter_events(path))
-
-
-def _lines_backwards(path: Path, block: int = 1 << 16) -> Iterator[bytes]:
-    """Lines of a file from the last to the first, reading only as much as the caller consumes."""
-    with open(path, "rb") as fh:
-        pos = fh.seek(0, os.SEEK_END)
-        rest = b""
-        while pos > 0:
-            n = min(block, pos)
-            pos -= n
-            fh.seek(pos)
-            lines = (fh.read(n) + rest).split(b"\n")
-            rest = lines[0]
-            yield from (line for line in reversed(lines[1:]) if line)
-        if rest:
-            yield rest
-
-
-def events_newest_first(path: Path) -> Iterator[dict]:
-    """events.jsonl from the end: readers that need only the recent past never parse a long history."""
-    if not Path(path).is_file():
-        return
-    for line in _lines_backwards(Path(path)):
-        try:
-            yield json.loads(line)
-        except ValueError:  # a line torn by a kill mid-write
-            continue
 
 
 def _sessions(events: list[dict], t_end: float) -> list[tuple[float, float, list[dict]]]:
@@ -120,13 +74,9 @@ def ledger(events: list[dict], t_start: float, t_end: float) -> dict:
 
 
 def to_tensorboard(logdir: Path, led: dict, restarts: int, step: int) -> None:
-    from tensorboardX import SummaryWriter
-
-    # Its own file suffix: two writers opened in the same second would otherwise share a file name.
-    w = SummaryWriter(str(logdir), filename_suffix=f".goodput{int(time.time() * 1e6)}")
-    for k, v in led["goodput"]["fractions"].items():
-        w.add_scalar(f"goodput/{k}_fraction", v, step)
-    for k, v in led["goodput"]["seconds"].items():
-        w.add_scalar(f"goodput/{k}_s", v, step)
-    w.add_scalar("goodput/restarts", restarts, step)
+    w = Writer(logdir, suffix=f".goodput{int(time.time() * 1e6)}")
+    w.add(step, {f"goodput/{k}_fraction": v for k, v in led["goodput"]["fractions"].items()})
+    w.add(step, {f"goodput/{k}_s": v for k, v in led["goodput"]["seconds"].items()})
+    w.add(step, {"goodput/restarts": restarts})
     w.close()
+

@@ -1,4 +1,5 @@
-"""Device mesh from the config, and the one table mapping logical axis names to mesh axes."""
+"""Devices: the mesh from the config, the one table mapping logical axis names to mesh axes, and the
+devices' peak FLOP/s for MFU."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from trainer.config import ConfigError, MeshConfig
 
 AXES = ("data", "fsdp", "tensor")
+
+# Dense bf16 peak FLOP/s per device, by substring of jax's device_kind.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "V100": 125e12}
 
 # Logical axis -> mesh axes. Params shard their "embed" dim over fsdp and their wide dims over
 # tensor; activations shard the batch over data and fsdp. Model code names only logical axes.
@@ -48,3 +52,10 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+def peak_flops(configured: float) -> float:
+    if configured:
+        return configured
+    kind = jax.devices()[0].device_kind
+    return next((v for k, v in PEAK_FLOPS.items() if k in kind), 0.0)

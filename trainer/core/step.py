@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from trainer.state import StateSpec
+from trainer.core.state import StateSpec
 
 
 def make_train_step(spec: StateSpec, batch_sharding, metrics_sharding, lr_schedule):

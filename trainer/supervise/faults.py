@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from trainer.config import Fault
+from trainer.observe.rundir import write_json
 
 KINDS = ("crash", "hang", "crash_mid_save", "slow", "signal", "ecc", "nan", "spike")
 CRASH_EXIT = 13
@@ -40,10 +41,7 @@ class FaultInjector:
         self._fired.add(next(i for i, f in self._all if f is fault))
         if not self._writer:
             return
-        with open(self._path, "w") as fh:
-            json.dump(sorted(self._fired), fh)
-            fh.flush()
-            os.fsync(fh.fileno())
+        write_json(self._path, sorted(self._fired), durable=True, indent=None)
 
     def before_step(self, step: int) -> None:
         """Called with the step about to run."""

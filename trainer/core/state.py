@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -9,11 +10,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from trainer.mesh import RULES
-from trainer.model import GPT
+from trainer.core.mesh import RULES
+from trainer.core.model import GPT
 
 
 @dataclass(frozen=True)
@@ -53,3 +55,18 @@ def build(model: GPT, tx: optax.GradientTransformation, mesh: Mesh, *, seed: int
 
 def param_count(abstract_state) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(abstract_state["params"]))
+
+
+def params_sha256(params) -> str:
+    """sha256 over the bytes of every parameter, gathered to host, in sorted key-path order."""
+    from jax.experimental import multihost_utils
+
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    h = hashlib.sha256()
+    for _path, leaf in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):
+        if jax.process_count() > 1:
+            arr = multihost_utils.process_allgather(leaf, tiled=True)
+        else:
+            arr = jax.device_get(leaf)
+        h.update(np.ascontiguousarray(arr).tobytes())
+    return h.hexdigest()

@@ -5,12 +5,20 @@ The supervisor (which never imports jax) reads them to tell a slow phase from a 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 
+from trainer.config import SupervisorConfig
+from trainer.observe.rundir import read_json, write_json
+
 PHASES = ("startup", "restore", "compile", "step", "checkpoint", "done")
+
+
+def phase_timeout(sc: SupervisorConfig, phase: str) -> float:
+    """How long a worker may stay silent in `phase` before it counts as hung."""
+    return {"startup": sc.startup_timeout_s, "compile": sc.startup_timeout_s, "restore": sc.restore_timeout_s,
+            "checkpoint": sc.checkpoint_timeout_s, "done": sc.checkpoint_timeout_s}.get(phase, sc.step_timeout_s)
 
 
 def heartbeat_path(run_dir: Path, process: int) -> Path:
@@ -21,17 +29,12 @@ class Heartbeat:
     def __init__(self, run_dir: Path, process: int):
         self.path = heartbeat_path(run_dir, process)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = self.path.with_suffix(f".tmp{os.getpid()}")
 
     def beat(self, phase: str, step: int) -> None:
         # "launch" names the attempt (set by the supervisor), so a stale file from an old attempt never counts.
-        self._tmp.write_text(json.dumps({"phase": phase, "step": step, "time": time.time(), "pid": os.getpid(),
-                                         "launch": os.environ.get("TRAINER_LAUNCH_ID", "")}))
-        os.replace(self._tmp, self.path)
+        write_json(self.path, {"phase": phase, "step": step, "time": time.time(), "pid": os.getpid(),
+                               "launch": os.environ.get("TRAINER_LAUNCH_ID", "")}, indent=None)
 
 
 def read(path: Path) -> dict | None:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
+    return read_json(path)

@@ -1,0 +1,163 @@
+"""Building a worker: everything that can be wrong is checked before the first write to the run dir,
+then the parts the loop uses are built once (mesh, state spec, checkpointer, writers, monitors).
+
+What changes while the loop runs lives apart, in `Flags` (trainer.core.loop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+from pathlib import Path
+
+import jax
+
+from trainer.config import Config, ConfigError, dump_yaml, to_dict
+from trainer.core import checkpoint, data, optim
+from trainer.core import mesh as mesh_lib
+from trainer.core import state as state_lib
+from trainer.core.model import GPT
+from trainer.observe import alerts, rundir
+from trainer.observe.events import EventLog
+from trainer.observe.spikes import SpikeDetector
+from trainer.observe.tensorboard import Writer
+from trainer.supervise import runbook
+from trainer.supervise.faults import FaultInjector
+from trainer.supervise.heartbeat import Heartbeat
+
+# Keys whose change makes a checkpoint meaningless for this run: refuse to resume.
+FROZEN_KEYS = ("model", "data.batch_size", "data.shuffle", "run.seed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Worker:
+    """What the loop uses, built once by `setup` and never reassigned."""
+
+    cfg: Config
+    run_dir: Path
+    primary: bool  # process 0: the only one that writes events, TensorBoard and the summary
+    corpus: data.Corpus
+    mesh: jax.sharding.Mesh
+    spec: state_lib.StateSpec
+    ckpt: checkpoint.Checkpointer
+    events: EventLog
+    scalars: Writer
+    heartbeat: Heartbeat
+    faults: FaultInjector
+    skips: list[int]  # data batches the runbook skips (runbook.json)
+    hyperparams: dict[str, float]  # the runbook's lr_scale, clip_norm, b2 (runbook.json)
+    n_params: int
+    # Observers of each step's metrics: objects with on_step(step, rec) -> action dict | None.
+    monitors: list = dataclasses.field(default_factory=list)
+
+
+def setup_compile_cache(path: str) -> None:
+    if not path:
+        return
+    jax.config.update("jax_compilation_cache_dir", str(Path(path).expanduser()))
+    # Cache every executable, however small or quick to build: a restart should never recompile.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def _dig(tree: dict, dotted: str):
+    for part in dotted.split("."):
+        tree = tree[part]
+    return tree
+
+
+def check_resume(saved: dict, cfg: Config, fingerprint: str) -> list[str]:
+    """Refuse a resume that would change what the checkpoint means; list the harmless changes."""
+    now = to_dict(cfg)
+    for key in FROZEN_KEYS:
+        if _dig(saved["config"], key) != _dig(now, key):
+            raise ConfigError(
+                f"cannot resume {cfg.run.dir}: {key} changed from {_dig(saved['config'], key)!r} to "
+                f"{_dig(now, key)!r}; use a new run.dir or restore the old value")
+    if saved["data_fingerprint"] != fingerprint:
+        raise ConfigError(
+            f"cannot resume {cfg.run.dir}: the training data changed (fingerprint "
+            f"{saved['data_fingerprint'][:12]} -> {fingerprint[:12]}); point data.path at the original corpus")
+    changes = []
+    for section, values in now.items():
+        old = saved["config"].get(section)
+        if old != values and section != "faults":
+            changes.append(f"{section}: {old} -> {values}")
+    return changes
+
+
+def validate_shapes(cfg: Config, mesh_shape: tuple[int, int, int], processes: int) -> None:
+    data_par, _, tensor = mesh_shape
+    if cfg.model.vocab_size < data.TOKENIZER_VOCAB:
+        raise ConfigError(
+            f"model.vocab_size ({cfg.model.vocab_size}) must be >= {data.TOKENIZER_VOCAB} (byte tokenizer)")
+    for key, v in (("model.vocab_size", cfg.model.vocab_size), ("model.n_heads", cfg.model.n_heads),
+                   ("model.d_ff", cfg.model.d_ff or 4 * cfg.model.d_model)):
+        if v % tensor:
+            raise ConfigError(f"{key} ({v}) must be divisible by mesh.tensor ({tensor})")
+    shards = data_par * mesh_shape[1]
+    if cfg.data.batch_size % shards or cfg.data.batch_size % processes:
+        raise ConfigError(f"data.batch_size ({cfg.data.batch_size}) must be divisible by data x fsdp ({shards})"
+                          f" and by the process count ({processes})")
+
+
+def versions() -> dict:
+    out = {}
+    for pkg in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy"):
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _read_saved_meta(ckpt_dir: Path, cfg: Config) -> dict | None:
+    if not ckpt_dir.is_dir():
+        return None
+    reader = checkpoint.Checkpointer(ckpt_dir, cfg.checkpoint, read_only=True)
+    steps = reader.steps()
+    return reader.read_meta(steps[-1]) if steps else None
+
+
+def setup(cfg: Config) -> Worker:
+    """Validate everything that can be wrong before the first write to the run dir, then build."""
+    run_dir = Path(cfg.run.dir)
+    corpus = data.prepare(cfg.data)
+    shape = mesh_lib.mesh_shape(cfg.mesh, jax.device_count())
+    validate_shapes(cfg, shape, jax.process_count())
+    ckpt_dir = run_dir / rundir.CHECKPOINTS
+    saved = _read_saved_meta(ckpt_dir, cfg)
+    changes = check_resume(saved, cfg, corpus.fingerprint) if saved else []
+
+    primary = jax.process_index() == 0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup_compile_cache(cfg.run.compile_cache)
+    events = EventLog(run_dir / rundir.EVENTS, enabled=primary)
+    rb = runbook.RunbookState.load(run_dir, cfg.optim)
+    if primary:  # as trained: with the runbook's softened LR, clip and b2, if it softened them
+        rundir.atomic_write(run_dir / rundir.CONFIG, dump_yaml(runbook.softened_config(cfg, rb)))
+    for c in changes:
+        events.write("config_changed", change=c)
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
+    spec = state_lib.build(GPT(cfg.model), tx, mesh, seed=cfg.run.seed, seq_len=cfg.model.seq_len)
+    scalars = Writer(run_dir / rundir.TENSORBOARD, enabled=primary and cfg.log.tensorboard)
+    if primary and not saved:
+        scalars.text("config", "```\n" + dump_yaml(cfg) + "\n```")
+        scalars.hparams(to_dict(cfg), metric_tags=("loss/train", "throughput/tokens_per_s", "throughput/mfu"))
+    pins = lambda steps: runbook.retention_pins(  # noqa: E731
+        steps, window=cfg.runbook.window if cfg.runbook.enabled else None, pinned=rb.pinned)
+    faults = FaultInjector(cfg.faults, run_dir, enabled=primary)
+    w = Worker(
+        cfg=cfg, run_dir=run_dir, primary=primary, corpus=corpus, mesh=mesh, spec=spec,
+        ckpt=checkpoint.Checkpointer(ckpt_dir, cfg.checkpoint, pinned=pins), events=events, scalars=scalars,
+        heartbeat=Heartbeat(run_dir, jax.process_index()), faults=faults, skips=rb.skips,
+        hyperparams=rb.hyperparams(), n_params=state_lib.param_count(spec.abstract),
+    )
+    # Dashboard: grad-norm trend, throughput drop, hardware health (ECC rising -> checkpoint now), markers.
+    w.monitors.extend(alerts.build(cfg, run_dir=run_dir, events=events, scalars=scalars, faults=faults))
+    if cfg.runbook.enabled:
+        w.monitors.append(SpikeDetector(
+            cfg.runbook, log=events.write, batch_of=lambda s: data.batch_index(s - 1, rb.skips),
+            stop_step=cfg.train.stop_at_step or cfg.train.steps, events_path=run_dir / rundir.EVENTS))
+    return w

@@ -1,0 +1,97 @@
+"""events.jsonl: the run's one event log (worker and supervisor append to the same file), and its readers.
+
+One JSON object per line with `event`, `time` and usually `step`. Only process 0 of a worker group
+writes; the supervisor tags its own records with "by": "supervisor".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+
+class EventLog:
+    """Appends events, one flushed line each. `hold=True` keeps them in memory until `open()`: the
+    supervisor holds its first events back until a worker has accepted the config, so that a bad config
+    never writes into an existing run dir. A disabled log (processes other than 0) writes nothing."""
+
+    def __init__(self, path: Path, *, enabled: bool = True, by: str | None = None, hold: bool = False):
+        self._path, self._enabled, self._by = Path(path), enabled, by
+        self._held: list[dict] = []
+        self._fh = None
+        if enabled and not hold:
+            self.open()
+
+    def write(self, event: str, step: int | None = None, **fields) -> None:
+        if not self._enabled:
+            return
+        rec = {"event": event, "time": time.time()}
+        if step is not None:
+            rec["step"] = step
+        if self._by:
+            rec["by"] = self._by
+        rec.update(fields)
+        if self._fh is None:
+            self._held.append(rec)
+        else:
+            self._fh.write(json.dumps(rec) + "\n")
+
+    def open(self) -> None:
+        if self._fh is None and self._enabled:
+            self._fh = open(self._path, "a", buffering=1)
+            for rec in self._held:
+                self._fh.write(json.dumps(rec) + "\n")
+            self._held = []
+
+    def close(self) -> None:
+        if self._fh:
+            self._fh.close()
+            self._fh = None
+
+
+def iter_events(path: Path, skipped: list[str] | None = None) -> Iterator[dict]:
+    """events.jsonl oldest first, streamed (a long run logs millions of steps); unreadable lines (one torn
+    by a kill mid-write) are left out, and appended to `skipped` when given."""
+    if not Path(path).is_file():
+        return
+    with open(path, errors="replace") as fh:
+        for line in fh:
+            try:
+                yield json.loads(line)
+            except ValueError:
+                if skipped is not None and line.strip():
+                    skipped.append(line)
+
+
+def read_events(path: Path) -> list[dict]:
+    return list(iter_events(path))
+
+
+def _lines_backwards(path: Path, block: int = 1 << 16) -> Iterator[bytes]:
+    """Lines of a file from the last to the first, reading only as much as the caller consumes."""
+    with open(path, "rb") as fh:
+        pos = fh.seek(0, os.SEEK_END)
+        rest = b""
+        while pos > 0:
+            n = min(block, pos)
+            pos -= n
+            fh.seek(pos)
+            lines = (fh.read(n) + rest).split(b"\n")
+            rest = lines[0]
+            yield from (line for line in reversed(lines[1:]) if line)
+        if rest:
+            yield rest
+
+
+def events_newest_first(path: Path) -> Iterator[dict]:
+    """events.jsonl from the end: readers that need only the recent past never parse a long history."""
+    if not Path(path).is_file():
+        return
+    for line in _lines_backwards(Path(path)):
+        try:
+            yield json.loads(line)
+        except ValueError:  # a line torn by a kill mid-write
+            continue

@@ -1,0 +1,197 @@
+"""The loss-spike runbook's escalation, run by the supervisor when the worker exits SPIKE: rewind + skip,
+soften if it recurs, give up after a budget; and the state it keeps in RUN_DIR/runbook.json. Detection
+is the worker's half: trainer.observe.spikes.
+
+Plain Python, no jax: unit tests drive it with synthetic spikes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from trainer.config import Config, OptimConfig, RunbookConfig
+from trainer.observe.events import events_newest_first
+from trainer.observe.rundir import write_json
+from trainer.observe.tensorboard import Writer
+
+STATE_FILE = "runbook.json"
+ACTION_CODES = {"skip": 1.0, "soften": 2.0, "give_up": 3.0}  # the runbook/action TensorBoard marker
+
+
+def retention_pins(steps: Iterable[int], *, window: int | None, pinned: Iterable[int]) -> set[int]:
+    """Checkpoints retention must keep: the runbook's rewind target and (window set) the last known good
+    one, the newest at least `window` steps older than the newest, plus the oldest younger than that,
+    which becomes the last known good one next. So a spike, which is detected within `window` steps of
+    where it began, always has a checkpoint from before it to rewind to, whatever keep_latest is."""
+    steps = sorted(steps)
+    keep = set(pinned)
+    if steps and window is not None:
+        edge = steps[-1] - window
+        keep.update([s for s in steps if s <= edge][-1:] + [s for s in steps if s > edge][:1])
+    return keep
+
+
+@dataclasses.dataclass
+class RunbookState:
+    """run_dir/runbook.json: part of the run's state, read by every worker start, written only here."""
+
+    skips: list[int]  # data batch indices the run never trains on
+    lr_scale: float  # multiplies the whole LR schedule (so its peak)
+    clip_norm: float
+    b2: float
+    pinned: list[int]  # checkpoint steps retention must keep (the rewind target)
+    history: list[dict]  # one record per runbook action
+
+    @classmethod
+    def load(cls, run_dir: Path, optim: OptimConfig) -> RunbookState:
+        p = Path(run_dir) / STATE_FILE
+        saved = json.loads(p.read_text()) if p.is_file() else {}
+        return cls(skips=saved.get("skips", []), lr_scale=saved.get("lr_scale", 1.0),
+                   clip_norm=saved.get("clip_norm", optim.clip_norm), b2=saved.get("b2", optim.b2),
+                   pinned=saved.get("pinned", []), history=saved.get("history", []))
+
+    def save(self, run_dir: Path) -> None:
+        # A kill leaves the old state or the new one, never half of each.
+        write_json(Path(run_dir) / STATE_FILE, dataclasses.asdict(self), durable=True)
+
+    def hyperparams(self) -> dict[str, float]:
+        """The optimizer's injected hyperparameters, set by the worker after every restore or init."""
+        return {"lr_scale": self.lr_scale, "clip_norm": self.clip_norm, "b2": self.b2}
+
+
+def softened_config(cfg: Config, state: RunbookState) -> Config:
+    """The config as the run now trains it: what config.yaml and TensorBoard record."""
+    optim = dataclasses.replace(cfg.optim, lr=cfg.optim.lr * state.lr_scale, clip_norm=state.clip_norm, b2=state.b2)
+    return dataclasses.replace(cfg, optim=optim)
+
+
+def decide(history: list[dict], spike: dict, cfg: RunbookConfig) -> str:
+    """Skip first (the cheap hypothesis: bad data); soften when a spike comes back within recur_distance
+    steps of an earlier skip or soften (then it is the optimizer, not those batches: after a rewind
+    and a skip, a spike at the same place is at the same step, on other data); give up when the budget
+    is spent."""
+    done = [h for h in history if h["action"] in ("skip", "soften")]
+    if len(done) >= cfg.max_actions:
+        return "give_up"
+    if any(abs(spike["began"] - h["began"]) <= cfg.recur_distance for h in done):
+        return "soften"
+    return "skip"
+
+
+def last_spike(events_path: Path) -> dict | None:
+    """The spike_exit event of the worker that just exited (None if it wrote none)."""
+    for e in events_newest_first(events_path):
+        if e.get("event") == "spike_exit":
+            return e
+        if e.get("event") == "worker_start":
+            return None
+    return None
+
+
+def rewind(run_dir: Path, began: int, tag: int) -> tuple[int, list[int]]:
+    """Move every checkpoint at or after the step the spike began out of the way (the supervisor has no
+    orbax: a rename is the whole operation); returns the step the run resumes from (0 = init)."""
+    ckpts = Path(run_dir) / "checkpoints"
+    steps = sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) if ckpts.is_dir() else []
+    target = max((s for s in steps if s < began), default=0)
+    moved = [s for s in steps if s > target]
+    if moved:
+        aside = Path(run_dir) / "rewound"
+        aside.mkdir(exist_ok=True)
+        for s in moved:
+            os.replace(ckpts / str(s), aside / f"{s}-{tag}")
+    return target, moved
+
+
+def sample_ranges(batches: list[int], global_batch: int) -> list[list[int]]:
+    """Inclusive global sample id ranges of the given data batches, contiguous batches merged."""
+    out: list[list[int]] = []
+    for b in sorted(batches):
+        lo, hi = b * global_batch, (b + 1) * global_batch - 1
+        if out and out[-1][1] + 1 == lo:
+            out[-1][1] = hi
+        else:
+            out.append([lo, hi])
+    return out
+
+
+def describe(h: dict) -> str:
+    what = {"skip": f"skipped batches {_span(h['batches'])}",
+            "soften": f"softened: LR scale {h.get('lr_scale')}, clip {h.get('clip_norm')}, b2 {h.get('b2')}",
+            "give_up": "gave up"}[h["action"]]
+    value = f"{h['value']:.4g}" if isinstance(h["value"], float) else h["value"]
+    bar = f" > {h['threshold']:.4g}" if h.get("threshold") is not None else ""
+    return (f"#{h['n']} spike at step {h['began']} ({h['signal']} {value}{bar}): "
+            f"rewound {h['from']} -> {h['to']}, {what}")
+
+
+def _span(batches: list[int]) -> str:
+    return f"{batches[0]}-{batches[-1]}" if len(batches) > 1 else str(batches[0]) if batches else "none"
+
+
+@dataclasses.dataclass
+class Outcome:
+    action: str  # skip | soften | give_up
+    message: str
+
+
+def respond(run_dir: Path, cfg: Config, write_event: Callable[..., None]) -> Outcome:
+    """The supervisor's half, run when the worker exits SPIKE: decide, rewind, record; the supervisor then
+    restarts the worker at once (or stops, on give_up)."""
+    run_dir = Path(run_dir)
+    spike = last_spike(run_dir / "events.jsonl")
+    if spike is None:
+        msg = "runbook: the worker exited SPIKE but wrote no spike_exit event; nothing to act on"
+        write_event("runbook_gave_up", message=msg)
+        return Outcome("give_up", msg)
+    state = RunbookState.load(run_dir, cfg.optim)
+    n = len(state.history) + 1
+    action = decide(state.history, spike, cfg.runbook)
+    # Checkpoints move aside before the new state is written: a kill in between leaves the old skips with
+    # the old checkpoint, which replays to the same spike, and the runbook simply runs again.
+    target, moved = rewind(run_dir, spike["began"], n)
+    rc = cfg.runbook
+    if action == "skip":
+        state.skips = sorted(set(state.skips) | set(spike["batches"]))
+    elif action == "soften":
+        state.lr_scale *= rc.lr_factor
+        state.clip_norm *= rc.clip_factor
+        state.b2 = rc.b2 or state.b2
+    state.pinned = [target] if target else []
+    rec = {"action": action, "n": n, "from": spike["step"], "to": target,
+           **{k: spike.get(k) for k in ("began", "end", "signal", "value", "threshold", "batches", "open")}}
+    if action == "soften":
+        rec.update(state.hyperparams(), peak_lr=cfg.optim.lr * state.lr_scale)
+    state.history.append(rec)
+    state.save(run_dir)
+    write_event("rewind", step=spike["step"], n=n, moved=moved, **{"from": spike["step"], "to": target})
+    if action == "skip":
+        write_event("skip", step=rec["began"], n=n, steps=[rec["began"], rec["end"]], batches=rec["batches"],
+                    samples=sample_ranges(rec["batches"], cfg.data.batch_size), skipped_total=len(state.skips))
+    elif action == "soften":
+        write_event("soften", step=rec["began"], n=n, **state.hyperparams(), peak_lr=rec["peak_lr"])
+    message = f"runbook: {describe(rec)}"
+    if action == "give_up":
+        tried = [describe(h) for h in state.history[:-1]]
+        message = (f"runbook gave up after {len(tried)} actions (runbook.max_actions={rc.max_actions}): the spike "
+                   f"came back at step {rec['began']} ({rec['signal']} {rec['value']}). Tried: {'; '.join(tried)}. "
+                   f"The run dir is back at the last good checkpoint (step {target}); raise runbook.max_actions "
+                   f"or lower optim.lr, then rerun to continue.")
+        write_event("runbook_gave_up", step=spike["step"], tried=tried, message=message)
+    if cfg.log.tensorboard:
+        _tensorboard(run_dir / "tb", rec, state, cfg, message)
+    return Outcome(action, message)
+
+
+def _tensorboard(logdir: Path, rec: dict, state: RunbookState, cfg: Config, message: str) -> None:
+    w = Writer(logdir, suffix=f".runbook{rec['n']}")
+    step = rec["began"]
+    w.add(step, {"runbook/action": ACTION_CODES[rec["action"]], "runbook/lr_scale": state.lr_scale,
+                 "runbook/peak_lr": cfg.optim.lr * state.lr_scale, "runbook/clip_norm": state.clip_norm,
+                 "runbook/skipped_batches": len(state.skips)})
+    w.text("runbook", message, step)
+    w.close()
