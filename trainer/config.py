@@ -90,6 +90,13 @@ class CheckpointConfig:
     keep_latest: int = 3
     keep_every: int = 0  # also keep every Nth step forever (0 = off)
     async_save: bool = True
+    verify: bool = True  # content manifests (sha256 per file) written after each save and checked before a restore
+    restore_retries: int = 3  # retries of a read that failed with a possibly transient error (I/O error, timeout)
+    retry_wait_s: float = 1.0  # wait before the first such retry; doubles each time
+    local_dir: str = ""  # node-local directory (RAM disk, local NVMe) for the fast tier; "" = no local tier
+    local_every_steps: int = 0  # local-tier saves every N steps (0 = none by steps)
+    local_every_minutes: float = 0.0  # local-tier saves every M minutes (0 = none by time)
+    local_keep: int = 2  # local checkpoints each process keeps
 
 
 @dataclass
@@ -104,8 +111,14 @@ class LogConfig:
 
 
 @dataclass
+class IntegrityConfig:
+    replica_check_steps: int = 0  # compare param fingerprints of data-parallel replicas every N steps and before
+    # every save (0 = off); a mismatch rewinds the run to its last verified checkpoint
+
+
+@dataclass
 class Fault:
-    kind: str  # crash | hang | crash_mid_save | slow | signal | ecc | nan | spike
+    kind: str  # crash | hang | crash_mid_save | slow | signal | ecc | nan | spike | bitflip
     step: int
     seconds: float = 0.0  # slow: extra seconds per step
     count: int = 1  # slow: how many steps; ecc: simulated ECC errors added per step from `step` on
@@ -182,6 +195,7 @@ class Config:
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     runbook: RunbookConfig = field(default_factory=RunbookConfig)
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
+    integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     faults: list[Fault] = field(default_factory=list)
 
@@ -291,8 +305,10 @@ def validate(cfg: Config) -> None:
               "log.every_steps", "data.read_threads", "data.default_corpus_mb")
     _positive(cfg, "model.d_ff", "optim.warmup_steps", "train.stop_at_step", "checkpoint.every_steps",
               "checkpoint.keep_every", "checkpoint.auto_devices", "mesh.cpu_devices",
+              "checkpoint.restore_retries", "checkpoint.retry_wait_s", "checkpoint.local_every_steps",
+              "checkpoint.local_every_minutes", "integrity.replica_check_steps",
               "log.peak_flops", "data.prefetch", "supervisor.max_restarts", allow_zero=True)
-    _positive(cfg, "checkpoint.keep_latest", "mesh.fsdp", "mesh.tensor",
+    _positive(cfg, "checkpoint.keep_latest", "checkpoint.local_keep", "mesh.fsdp", "mesh.tensor",
               "supervisor.crash_loop_restarts", "supervisor.step_timeout_s", "supervisor.poll_s",
               "log.health_every_s", "alerts.grad_window", "alerts.grad_rise", "alerts.throughput_window",
               "alerts.throughput_steps", "alerts.ecc_rise", "alerts.overdue_fraction")
@@ -376,6 +392,10 @@ def _validate_interval(cfg: Config) -> None:
     cfg.checkpoint.every_minutes = m
     if cfg.checkpoint.mtbf_hours <= 0:
         raise ConfigError(f"checkpoint.mtbf_hours must be > 0, got {cfg.checkpoint.mtbf_hours}")
+    ck = cfg.checkpoint
+    if bool(ck.local_dir) != bool(ck.local_every_steps or ck.local_every_minutes):
+        raise ConfigError("checkpoint.local_dir and checkpoint.local_every_steps/local_every_minutes go together: "
+                          "set both for a local tier, or neither")
 
 
 def to_dict(cfg: Config) -> dict:

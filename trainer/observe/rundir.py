@@ -6,6 +6,7 @@ written to a temporary name and renamed over the old one: readers see the old by
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -15,6 +16,14 @@ SUMMARY = "summary.json"
 CONFIG = "config.yaml"
 CHECKPOINTS = "checkpoints"
 TENSORBOARD = "tb"
+REJECTED = "rejected_checkpoints"  # checkpoints that failed verification or loading, kept for a post-mortem
+
+
+def local_root(local_dir: str, run_dir: Path) -> Path:
+    """This run's part of a node-local checkpoint directory (checkpoint.local_dir): runs sharing one RAM disk
+    never see each other's checkpoints. Each process keeps its own `process_<i>/` below it."""
+    run = Path(run_dir).resolve()
+    return Path(local_dir).expanduser() / f"{run.name}-{hashlib.sha256(str(run).encode()).hexdigest()[:8]}"
 
 
 def atomic_write(path: Path, data: str | bytes, *, durable: bool = False) -> None:
