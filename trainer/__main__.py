@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "status": "trainer.observe.status",  # one-screen health summary of a running or finished run
     "report": "trainer.observe.report",  # PNG plots + report.md of a run into RUN_DIR/report/
     "audit": "trainer.observe.audit",  # prove exactly-once data consumption from a run dir
+    "checkpoints": "trainer.observe.checkpoints",  # list a run's checkpoints (both tiers); --verify re-checks them
 }
 
 

@@ -129,8 +129,9 @@ class Checkpointer:
             extra = dict(multiprocessing_options=_local_multiprocessing(), enable_per_process_directory_creation=True,
                          save_root_metadata=False)
         keep, keep_every = (cfg.local_keep, 0) if local else (cfg.keep_latest, cfg.keep_every)
+        self._policy = None if read_only else _preservation(keep, keep_every, self._pins)
         options = ocp.CheckpointManagerOptions(
-            preservation_policy=None if read_only else _preservation(keep, keep_every, self._pins),
+            preservation_policy=self._policy,
             enable_async_checkpointing=cfg.async_save,
             create=not read_only and not local,
             read_only=read_only,
@@ -245,9 +246,26 @@ class Checkpointer:
         self._join_sealer()
 
     def close(self) -> None:
-        """Wait until every save is committed and sealed; a failure lands in `failure`, never raises."""
+        """Wait until every save is committed and sealed, then apply retention once more (Orbax applies it
+        when a save starts, when the newest checkpoint was not sealed yet); a failure lands in `failure`."""
         self._join_sealer()
         try:
+            self.manager.wait_until_finished()
+            if self._policy is not None and not self.failure:
+                infos = [_Info(s) for s in self.steps()]
+                keep = self._policy.should_preserve(infos, context=cm.PreservationContext())
+                for info, kept in zip(infos, keep):
+                    if not kept:
+                        self.manager.delete(info.step)
             self.manager.close()
         except Exception as e:  # the failure is reported through `failure`
             self.failure = self.failure or self._describe(-1, e)
+
+
+@dataclass
+class _Info:
+    """What preservation policies read of a checkpoint (orbax's PolicyCheckpointInfo protocol)."""
+
+    step: int
+    metrics: dict | None = None
+    time: Any = None
