@@ -38,12 +38,12 @@ def _of(run: Path, kind: str) -> list[dict]:
 
 # --- a bad newest checkpoint ---------------------------------------------------------------------------
 
-def _largest(step_dir: Path) -> Path:
-    return max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+def _largest(directory: Path) -> Path:
+    return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
 
 
 def _flip(step_dir: Path) -> str:
-    f = _largest(step_dir)
+    f = _largest(step_dir / "state")
     b = bytearray(f.read_bytes())
     for i in range(len(b) // 2, len(b) // 2 + 8):  # a few bytes in the middle: Orbax still reads the file
         b[i] ^= 0x5A
@@ -52,13 +52,13 @@ def _flip(step_dir: Path) -> str:
 
 
 def _truncate(step_dir: Path) -> str:
-    f = _largest(step_dir)
+    f = _largest(step_dir / "state")
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
     return f.relative_to(step_dir).as_posix()
 
 
 def _delete(step_dir: Path) -> str:
-    f = _largest(step_dir)
+    f = _largest(step_dir / "state")
     f.unlink()
     return f.relative_to(step_dir).as_posix()
 
@@ -285,3 +285,76 @@ def test_a_full_disk_stops_the_run_clearly_and_the_same_command_resumes(tmpfs, r
     run_trainer(run, "checkpoint.every_steps=5")  # the same command, with space
     assert [e["step"] for e in _of(run, "restore")][-1] == kept[-1]
     _same_as(run, ref)
+
+
+# --- several processes: every process verifies its share, all agree before anything moves -----------------
+
+@pytest.mark.slow
+def test_two_processes_agree_on_a_bad_shard_and_on_the_newest_local_step_they_all_hold(tmp_path_factory):
+    from multihost import TWO, group_overrides, reference
+
+    ref, corpus = reference(tmp_path_factory.mktemp("multihost"))
+    run, local = tmp_path_factory.mktemp("agree") / "run", tmp_path_factory.mktemp("local")
+    over = group_overrides(corpus, *TWO, f"checkpoint.local_dir={local}", "checkpoint.local_every_steps=4")
+    run_trainer(run, *over, "train.stop_at_step=20")  # durable 10, 20; local 12, 16 on each process
+    roots = [rundir.local_root(str(local), run) / f"process_{i}" for i in (0, 1)]
+    assert [sorted(int(p.name) for p in r.glob("[0-9]*")) for r in roots] == [[12, 16], [12, 16]]
+    shard = _largest(run / "checkpoints" / "20" / "state" / "ocdbt.process_1")  # only process 1 reads it
+    shard.write_bytes(shard.read_bytes()[:-64] + bytes(64))
+    shutil.rmtree(roots[1] / "16")  # process 1 lost its newest local checkpoint: 12 is the newest both hold
+    run_trainer(run, *over)
+    (rejected,) = _of(run, "checkpoint_rejected")
+    assert (rejected["step"], rejected["process"]) == (20, 1) and "ocdbt.process_1" in rejected["file"], rejected
+    assert [(e["step"], e["tier"]) for e in _of(run, "restore")] == [(12, "local")]
+    assert summary(run)["params_sha256"] == summary(ref)["params_sha256"]
+
+
+# --- kills inside async saves ---------------------------------------------------------------------------
+
+def _hb(run: Path) -> dict | None:
+    try:
+        return json.loads((run / "heartbeat" / "worker-0.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tiers", ["durable", "durable+local"])
+def test_twenty_kills_inside_async_saves_never_break_a_restore(tmp_path, reference_run, tiers):
+    """3 crash_mid_save faults plus 17 SIGKILLs from outside, each a random 0-300 ms after the worker enters
+    a save (device-to-host copy, background write, commit or sealing), at a new step each time."""
+    ref = reference_run("train.steps=80")
+    run = tmp_path / "run"
+    over = ["train.steps=80", "supervisor.max_restarts=40", "faults=[{kind: crash_mid_save, step: 9}, "
+            "{kind: crash_mid_save, step: 33}, {kind: crash_mid_save, step: 57}]"]
+    if tiers == "durable":
+        over += ["checkpoint.every_steps=3"]
+    else:  # durable every 5, local every 2 (the newest checkpoint is a local one at most steps)
+        over += ["checkpoint.every_steps=5", f"checkpoint.local_dir={tmp_path / 'local'}",
+                 "checkpoint.local_every_steps=2"]
+    rng = __import__("random").Random(14)
+    with open(tmp_path / "supervisor.log", "w") as log:
+        sup = subprocess.Popen(trainer_cmd(run, *over), cwd=ROOT, env=child_env(), stdout=log, stderr=log)
+    kills, last = 0, 0
+    while kills < 17 and sup.poll() is None:
+        hb = _hb(run)
+        if hb and hb["phase"] == "checkpoint" and hb["step"] > last and hb["step"] < 78:
+            time.sleep(rng.uniform(0, 0.3))
+            os.kill(hb["pid"], signal.SIGKILL)
+            kills, last = kills + 1, hb["step"]
+        time.sleep(0.01)
+    assert sup.wait(timeout=1200) == 0, (tmp_path / "supervisor.log").read_text()[-3000:]
+    evs = events(run)
+    exits = [e for e in evs if e["event"] == "worker_exit"]
+    crashes = sum(e.get("exit_code") == 13 for e in exits)
+    assert kills == 17 and crashes == 3 and sum(e.get("signal") == "SIGKILL" for e in exits) == 17, exits
+    starts = [e for e in evs if e["event"] in ("restore", "init")]
+    assert len(starts) == len(exits) == 21  # every attempt got past its restore
+    rejected = [e for e in evs if e["event"] == "checkpoint_rejected"]
+    broken = [e for e in rejected if not e["reason"].startswith("unverified")]  # a kill may only cut a seal short
+    assert not broken, broken
+    _same_as(run, ref, unlogged=tuple(e["step"] for e in starts))
+    tally = {t: sum(e.get("tier") == t for e in starts) for t in ("local", "durable")}
+    print(f"{tiers}: 20 kills inside saves ({kills} SIGKILL + {crashes} crash_mid_save), restores {tally}, "
+          f"init {sum(e['event'] == 'init' for e in starts)}, unsealed checkpoints set aside {len(rejected)}, "
+          f"broken restores {len(broken)}, final params_sha256 {summary(run)['params_sha256'][:16]} == reference")
