@@ -17,6 +17,7 @@ from benchmarks import harness
 from benchmarks.checkpoint_cost import MODEL, QUICK_MODEL, _Bench, _windows
 
 TARGET = 0.97
+WINDOW_S = 10.0
 
 
 def _restore_s(ck, step: int, abstract) -> dict:
@@ -42,18 +43,38 @@ def _seal_cpu_s(step_dir: Path) -> dict:
     return {"cpu_s": time.process_time() - c0, "wall_s": time.perf_counter() - t0, "bytes": size}
 
 
-def _tier(b: _Bench, directory: Path, tier: str, n: int, rounds: int) -> dict:
+def _save_cpu_s(b: _Bench, directory: Path, tier: str) -> dict:
+    """CPU-seconds (all threads) of one synchronous save, sealing included: what a save takes from training on
+    a CPU host whatever the neighbours' load (wall-clock ratios move with it)."""
     from trainer.config import CheckpointConfig
     from trainer.core.checkpoint import Checkpointer
 
     shutil.rmtree(directory, ignore_errors=True)
+    ck = Checkpointer(directory, CheckpointConfig(keep_latest=1, local_keep=1, async_save=False), tier=tier)
+    b.steps(1)
+    c0, t0 = time.process_time(), time.perf_counter()
+    b.save(ck)
+    ck.wait()
+    out = {"cpu_s": time.process_time() - c0, "wall_s": time.perf_counter() - t0}
+    ck.close()
+    shutil.rmtree(directory, ignore_errors=True)
+    return out
+
+
+def _tier(b: _Bench, directory: Path, tier: str, n: int, rounds: int) -> dict:
+    from trainer.config import CheckpointConfig
+    from trainer.core.checkpoint import Checkpointer
+
+    sync = _save_cpu_s(b, directory, tier)
     ck = Checkpointer(directory, CheckpointConfig(keep_latest=1, local_keep=1), tier=tier)
     w = _windows(b, ck, n, rounds)
     step = ck.steps()[-1]
     out = {"ckpt_throughput_ratio": w["ckpt_tokens_per_s"] / w["plain_tokens_per_s"],
            "blocking_s": w["async_blocking_s"], "write_wait_after_window_s": w["write_wait_after_window_s"],
            "cpu_time_ratio": w["cpu_time_ratio"], "restore": _restore_s(ck, step, b.spec.abstract),
-           "seal": _seal_cpu_s(ck.step_dir(step)), "directory": str(directory)}
+           "seal": _seal_cpu_s(ck.step_dir(step)), "directory": str(directory), "sync_save": sync,
+           # The most a ~10 s window on this many cores can keep when a save's CPU work shares them.
+           "cpu_bound_throughput_ratio": 1 - sync["cpu_s"] / (WINDOW_S * os.cpu_count())}
     ck.close()
     shutil.rmtree(directory, ignore_errors=True)
     return out
@@ -65,7 +86,7 @@ def measure(work: Path, quick: bool) -> dict:
     t0 = time.perf_counter()
     b.steps(2)
     step_s = (time.perf_counter() - t0) / 2
-    n = max(2, round((2.0 if quick else 10.0) / step_s))
+    n = max(2, round((2.0 if quick else WINDOW_S) / step_s))
     rounds = 1 if quick else 3
     ram = Path("/dev/shm") if Path("/dev/shm").is_dir() else work
     res = {"durable": _tier(b, work / "durable", "durable", n, rounds),
@@ -76,8 +97,11 @@ def measure(work: Path, quick: bool) -> dict:
         "local_ckpt_throughput_ratio": local["ckpt_throughput_ratio"],
         "durable_ckpt_throughput_ratio": durable["ckpt_throughput_ratio"],
         "restore_local_vs_durable": local["restore"]["total_s"] / durable["restore"]["total_s"],
-        "targets": {"local_ckpt_throughput_ratio": f">= {TARGET}"},
-        "met": {"local_ckpt_throughput_ratio": local["ckpt_throughput_ratio"] >= TARGET},
+        "cpu_bound_local": local["cpu_bound_throughput_ratio"],
+        "cpu_bound_durable": durable["cpu_bound_throughput_ratio"],
+        "targets": {"local_ckpt_throughput_ratio": f">= {TARGET}", "restore_local_vs_durable": "<= 1"},
+        "met": {"local_ckpt_throughput_ratio": local["ckpt_throughput_ratio"] >= TARGET,
+                "restore_local_vs_durable": local["restore"]["total_s"] <= durable["restore"]["total_s"]},
         "tiers": res, "n_params": b.n_params, "state_bytes": b.state_bytes, "step_s": step_s, "window_steps": n,
         "setup": f"{' '.join(QUICK_MODEL if quick else MODEL)} (fp32 params + AdamW state), one CPU device; the "
                  "trainer's Checkpointer per tier (sealing included), keep 1; windows of n steps alternate without /"
