@@ -2,11 +2,13 @@
 
 A file that a kill may catch half-written (heartbeats, runbook.json, summary.json, the data cache) is
 written to a temporary name and renamed over the old one: readers see the old bytes or the new ones.
+Every JSON we write is strict (RFC 8259): a NaN or infinite float is written as null.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -31,8 +33,25 @@ def atomic_write(path: Path, data: str | bytes, *, durable: bool = False) -> Non
     os.replace(tmp, path)
 
 
+def _finite(obj):
+    """`obj` with every NaN/Inf float replaced by None: Python's json would write the non-standard
+    NaN/Infinity tokens, which strict parsers (jq, browsers, Go, Rust) reject."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def dumps(obj, *, indent: int | None = None) -> str:
+    """Strict JSON text of `obj` (non-finite floats as null): the one encoder of every JSON file we write."""
+    return json.dumps(_finite(obj), indent=indent, allow_nan=False)
+
+
 def write_json(path: Path, obj, *, durable: bool = False, indent: int | None = 1) -> None:
-    atomic_write(path, json.dumps(obj, indent=indent), durable=durable)
+    atomic_write(path, dumps(obj, indent=indent), durable=durable)
 
 
 def read_json(path: Path) -> dict | None:
