@@ -122,7 +122,7 @@ def _read_saved_meta(ckpt_dir: Path, cfg: Config) -> dict | None:
 def setup(cfg: Config) -> Worker:
     """Validate everything that can be wrong before the first write to the run dir, then build."""
     run_dir = Path(cfg.run.dir)
-    corpus = data.prepare(cfg.data)
+    corpus = data.prepare(cfg.data, min_tokens=cfg.model.seq_len + 1)
     shape = mesh_lib.mesh_shape(cfg.mesh, jax.device_count())
     validate_shapes(cfg, shape, jax.process_count())
     ckpt_dir = run_dir / rundir.CHECKPOINTS
