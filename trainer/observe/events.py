@@ -97,3 +97,8 @@ def events_newest_first(path: Path) -> Iterator[dict]:
             yield json.loads(line)
         except ValueError:  # a line torn by a kill mid-write
             continue
+
+
+def newest_record(path: Path, event: str, step: int) -> dict | None:
+    """The newest `event` record logged at `step`, or None."""
+    return next((e for e in events_newest_first(path) if e.get("event") == event and e.get("step") == step), None)

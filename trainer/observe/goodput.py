@@ -17,6 +17,8 @@ from trainer.observe.tensorboard import Writer
 CATEGORIES = ("productive", "recompute", "checkpoint", "startup", "shutdown", "restart")
 # A worker ends its part of a session cleanly with one of these (the supervisor's copies carry "by").
 CLEAN_END = ("run_complete", "stopped", "preempted")
+# A session is one invocation: a supervisor, or a worker run unsupervised (`--worker`).
+SESSION_START = ("supervisor_start", "session_start")
 
 
 def _sessions(events: list[dict], t_end: float) -> list[tuple[float, float, list[dict]]]:
@@ -25,7 +27,7 @@ def _sessions(events: list[dict], t_end: float) -> list[tuple[float, float, list
     land in the file after the worker's first events."""
     sessions, cur = [], None
     for e in sorted(events, key=lambda e: e["time"]):
-        if e["event"] == "supervisor_start":
+        if e["event"] in SESSION_START:
             if cur:
                 sessions.append(cur)
             cur = [e["time"], e["time"], []]

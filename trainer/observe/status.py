@@ -95,7 +95,7 @@ def run_state(v: RunView) -> tuple[str, bool]:
     """(what the run is doing, whether it is live). A terminal event counts only if nothing started after it."""
     state, live_pid = "NOT STARTED", None
     for e in v.events:
-        if e["event"] == "supervisor_start":
+        if e["event"] in goodput.SESSION_START:
             state, live_pid = "RUNNING", e.get("pid")
         elif e["event"] in ATTEMPT_START or e["event"] == "worker_start":
             state = "RUNNING"
@@ -127,7 +127,7 @@ def open_alerts(events: list[dict]) -> list[dict]:
 def ledger_now(v: RunView, live: bool) -> dict:
     """The goodput ledger so far; an unsupervised run is one session from its first event."""
     evs = v.events
-    if evs and not any(e["event"] == "supervisor_start" for e in evs):
+    if evs and not any(e["event"] in goodput.SESSION_START for e in evs):  # written before session_start existed
         evs = [{"event": "supervisor_start", "time": evs[0]["time"]}, *evs]
     t_end = v.now if live else (evs[-1]["time"] if evs else v.now)
     return goodput.ledger(evs, evs[0]["time"] if evs else v.now, t_end)
