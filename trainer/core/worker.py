@@ -131,9 +131,9 @@ def setup(cfg: Config) -> Worker:
     run_dir.mkdir(parents=True, exist_ok=True)
     setup_compile_cache(cfg.run.compile_cache)
     events = EventLog(run_dir / rundir.EVENTS, enabled=primary)
+    rb = runbook.RunbookState.load(run_dir, cfg.optim)
     if "TRAINER_ATTEMPT" not in os.environ:  # unsupervised: this process is the session (the goodput ledger's unit)
         events.write("session_start", pid=os.getpid())
-    rb = runbook.RunbookState.load(run_dir, cfg.optim)
     if primary:  # as trained: with the runbook's softened LR, clip and b2, if it softened them
         rundir.atomic_write(run_dir / rundir.CONFIG, dump_yaml(runbook.softened_config(cfg, rb)))
     for c in changes:
