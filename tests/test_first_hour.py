@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -84,12 +85,17 @@ def test_a_finished_run_rerun_says_so_and_changes_no_byte(done, tmp_path):
         assert _snapshot(run) == before, f"re-run (worker={worker}) changed the run dir"
     # A run whose train.steps was raised since is not finished: it resumes from its final checkpoint.
     more = _copy(run, tmp_path / "more")
+    # As if the first session had ended an hour ago: that hour between invocations is no one's time.
+    recs = [json.loads(x) for x in (more / "events.jsonl").read_text().splitlines()]
+    (more / "events.jsonl").write_text("".join(json.dumps(dict(r, time=r["time"] - 3600)) + "\n" for r in recs))
     meta = next((run.parent / "cache").rglob("meta.json"))
     meta.write_text("{torn")  # a damaged data-cache entry of ours: tokenized again, not a traceback
+    t0 = time.time()
     proc = run_trainer(more, "train.steps=16", "checkpoint.every_steps=6", cache)
     assert f"resumed from step 12 of checkpoint {more}/checkpoints/12; training to step 16" in proc.stderr
     assert summary(more)["final_step"] == 16 and json.loads(meta.read_text())["fingerprint"]
     assert summary(more)["data_fingerprint"] == summary(run)["data_fingerprint"]
+    assert summary(more)["wall_s"] < summary(run)["wall_s"] + time.time() - t0 + 1, summary(more)
 
 
 def test_the_cli_lists_commands_suggests_and_never_trains_by_accident(tmp_path):
