@@ -20,8 +20,7 @@ class ConfigError(ValueError):
     """A user mistake in the config or its inputs; the CLI prints it as one line and exits 2."""
 
 
-# Keys whose change makes a checkpoint meaningless for this run: a resume with another value is refused.
-FROZEN_KEYS = ("model", "data.batch_size", "data.shuffle", "run.seed")
+FROZEN_KEYS = ("model", "data.batch_size", "data.shuffle", "run.seed")  # changed, a checkpoint means nothing: no resume
 
 
 @dataclass
@@ -273,36 +272,30 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
 
 
 def _yaml_cause(e: yaml.YAMLError) -> str:
-    """PyYAML's own words for what is wrong and where (1-based), with the fix for the usual culprit."""
-    mark = getattr(e, "problem_mark", None)
+    """PyYAML's own words for what is wrong and where (1-based), with the fix for the usual culprits."""
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None) or str(e).splitlines()[0]
     where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-    if isinstance(e, yaml.reader.ReaderError):  # a character YAML never allows, e.g. a NUL in a binary file
-        problem = f"{problem} at character {e.position}; is it a YAML text file?"
-    hint = "; indent with spaces: YAML does not allow tabs" if "'\\t'" in problem else ""
+    hint = "; indent with spaces: YAML does not allow tabs" if "'\\t'" in problem else (
+        "; is it a YAML text file?" if isinstance(e, yaml.reader.ReaderError) else "")  # e.g. a NUL byte
     return f"{where}{problem}{hint}"
 
 
 def _read_yaml(path: str) -> dict:
     p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"--config {path} is a directory; pass a YAML file, e.g. configs/tiny.yaml")
     if not p.is_file():
-        raise ConfigError(f"config file not found: {path} (pass an existing YAML, e.g. configs/tiny.yaml)")
+        raise ConfigError(f"--config {path} is a directory; pass a YAML file, e.g. configs/tiny.yaml" if p.is_dir()
+                          else f"config file not found: {path} (pass an existing YAML, e.g. configs/tiny.yaml)")
     try:
-        text = p.read_bytes().decode("utf-8")
+        tree = yaml.safe_load(p.read_bytes().decode("utf-8"))
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path} is not a UTF-8 text file (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
                           f"pass a YAML config such as configs/tiny.yaml, saved as UTF-8") from None
-    try:
-        tree = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({_yaml_cause(e)})") from None
     if not isinstance(tree, dict | None):
-        raise ConfigError(f"{path}: top level must be a mapping of sections (like configs/tiny.yaml), "
-                          f"got {type(tree).__name__}")
+        raise ConfigError(f"{path}: top level must be a mapping of sections, like configs/tiny.yaml")
     return tree or {}
 
 
