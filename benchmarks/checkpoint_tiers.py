@@ -50,7 +50,7 @@ def _save_cpu_s(b: _Bench, directory: Path, tier: str) -> dict:
     from trainer.core.checkpoint import Checkpointer
 
     shutil.rmtree(directory, ignore_errors=True)
-    ck = Checkpointer(directory, CheckpointConfig(keep_latest=1, local_keep=1, async_save=False), tier=tier)
+    ck = Checkpointer(directory, CheckpointConfig(keep_latest=1, async_save=False), tier=tier)
     b.steps(1)
     c0, t0 = time.process_time(), time.perf_counter()
     b.save(ck)
@@ -66,7 +66,7 @@ def _tier(b: _Bench, directory: Path, tier: str, n: int, rounds: int) -> dict:
     from trainer.core.checkpoint import Checkpointer
 
     sync = _save_cpu_s(b, directory, tier)
-    ck = Checkpointer(directory, CheckpointConfig(keep_latest=1, local_keep=1), tier=tier)
+    ck = Checkpointer(directory, CheckpointConfig(keep_latest=1), tier=tier)
     w = _windows(b, ck, n, rounds)
     step = ck.steps()[-1]
     out = {"ckpt_throughput_ratio": w["ckpt_tokens_per_s"] / w["plain_tokens_per_s"],

@@ -20,6 +20,9 @@ class ConfigError(ValueError):
     """A user mistake in the config or its inputs; the CLI prints it as one line and exits 2."""
 
 
+FROZEN_KEYS = ("model", "data.batch_size", "data.shuffle", "run.seed")  # changed, a checkpoint means nothing: no resume
+
+
 @dataclass
 class RunConfig:
     dir: str = "runs/default"  # run directory: checkpoints, events, TensorBoard, summary
@@ -91,12 +94,9 @@ class CheckpointConfig:
     keep_every: int = 0  # also keep every Nth step forever (0 = off)
     async_save: bool = True
     verify: bool = True  # content manifests (sha256 per file) written after each save and checked before a restore
-    restore_retries: int = 3  # retries of a read that failed with a possibly transient error (I/O error, timeout)
-    retry_wait_s: float = 1.0  # wait before the first such retry; doubles each time
     local_dir: str = ""  # node-local directory (RAM disk, local NVMe) for the fast tier; "" = no local tier
     local_every_steps: int = 0  # local-tier saves every N steps (0 = none by steps)
-    local_every_minutes: float = 0.0  # local-tier saves every M minutes (0 = none by time)
-    local_keep: int = 2  # local checkpoints each process keeps
+    local_every_minutes: float = 0.0  # local-tier saves every M minutes (0 = none by time); keep_latest applies too
 
 
 @dataclass
@@ -112,8 +112,7 @@ class LogConfig:
 
 @dataclass
 class IntegrityConfig:
-    replica_check_steps: int = 0  # compare param fingerprints of data-parallel replicas every N steps and before
-    # every save (0 = off); a mismatch rewinds the run to its last verified checkpoint
+    replica_check_steps: int = 0  # compare data-parallel copies of the params every N steps and before saves; 0 = off
 
 
 @dataclass
@@ -259,7 +258,10 @@ def _set_dotted(tree: dict, dotted: str) -> None:
     if "=" not in dotted:
         raise ConfigError(f"--set {dotted!r}: expected dotted.key=value")
     key, raw = dotted.split("=", 1)
-    value = yaml.safe_load(raw) if raw != "" else ""
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {dotted}: the value is not valid YAML ({_yaml_cause(e)})") from None
     parts = key.split(".")
     node = tree
     for p in parts[:-1]:
@@ -271,23 +273,40 @@ def _set_dotted(tree: dict, dotted: str) -> None:
 
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     """Defaults <- YAML diff <- dotted overrides, then validation."""
-    tree: dict = {}
-    if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {path} (pass an existing YAML, e.g. configs/tiny.yaml)")
-        try:
-            tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            line = getattr(getattr(e, "problem_mark", None), "line", -1) + 1
-            raise ConfigError(f"{path}: not valid YAML (line {line})") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{path}: top level must be a mapping of sections")
+    tree = _read_yaml(path) if path else {}
     for o in overrides:
         _set_dotted(tree, o)
     cfg = _build(Config, tree, "")
     validate(cfg)
     return cfg
+
+
+def _yaml_cause(e: yaml.YAMLError) -> str:
+    """PyYAML's own words for what is wrong and where (1-based), with the fix for the usual culprits."""
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    hint = "; indent with spaces: YAML does not allow tabs" if "'\\t'" in problem else (
+        "; is it a YAML text file?" if isinstance(e, yaml.reader.ReaderError) else "")  # e.g. a NUL byte
+    return f"{where}{problem}{hint}"
+
+
+def _read_yaml(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path} is a directory; pass a YAML file, e.g. configs/tiny.yaml" if p.is_dir()
+                          else f"config file not found: {path} (pass an existing YAML, e.g. configs/tiny.yaml)")
+    try:
+        tree = yaml.safe_load(p.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not a UTF-8 text file (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                          f"pass a YAML config such as configs/tiny.yaml, saved as UTF-8") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({_yaml_cause(e)})") from None
+    if not isinstance(tree, dict | None):
+        raise ConfigError(f"{path}: top level must be a mapping of sections, like configs/tiny.yaml")
+    return tree or {}
 
 
 def _positive(cfg: Config, *keys: str, allow_zero: bool = False) -> None:
@@ -300,15 +319,14 @@ def _positive(cfg: Config, *keys: str, allow_zero: bool = False) -> None:
 
 
 def validate(cfg: Config) -> None:
-    _positive(cfg, "model.vocab_size", "model.seq_len", "model.d_model", "model.n_layers",
+    _positive(cfg, "model.vocab_size", "model.seq_len", "model.d_model", "model.n_layers", "checkpoint.mtbf_hours",
               "model.n_heads", "data.batch_size", "train.steps", "optim.lr", "optim.clip_norm",
               "log.every_steps", "data.read_threads", "data.default_corpus_mb")
     _positive(cfg, "model.d_ff", "optim.warmup_steps", "train.stop_at_step", "checkpoint.every_steps",
               "checkpoint.keep_every", "checkpoint.auto_devices", "mesh.cpu_devices",
-              "checkpoint.restore_retries", "checkpoint.retry_wait_s", "checkpoint.local_every_steps",
-              "checkpoint.local_every_minutes", "integrity.replica_check_steps",
+              "checkpoint.local_every_steps", "checkpoint.local_every_minutes", "integrity.replica_check_steps",
               "log.peak_flops", "data.prefetch", "supervisor.max_restarts", allow_zero=True)
-    _positive(cfg, "checkpoint.keep_latest", "checkpoint.local_keep", "mesh.fsdp", "mesh.tensor",
+    _positive(cfg, "checkpoint.keep_latest", "mesh.fsdp", "mesh.tensor",
               "supervisor.crash_loop_restarts", "supervisor.step_timeout_s", "supervisor.poll_s",
               "log.health_every_s", "alerts.grad_window", "alerts.grad_rise", "alerts.throughput_window",
               "alerts.throughput_steps", "alerts.ecc_rise", "alerts.overdue_fraction")
@@ -390,12 +408,8 @@ def _validate_interval(cfg: Config) -> None:
     if not isinstance(m, str) and (isinstance(m, bool) or m < 0):
         raise ConfigError(f"checkpoint.every_minutes must be >= 0 or 'auto', got {m!r}")
     cfg.checkpoint.every_minutes = m
-    if cfg.checkpoint.mtbf_hours <= 0:
-        raise ConfigError(f"checkpoint.mtbf_hours must be > 0, got {cfg.checkpoint.mtbf_hours}")
-    ck = cfg.checkpoint
-    if bool(ck.local_dir) != bool(ck.local_every_steps or ck.local_every_minutes):
-        raise ConfigError("checkpoint.local_dir and checkpoint.local_every_steps/local_every_minutes go together: "
-                          "set both for a local tier, or neither")
+    if bool(cfg.checkpoint.local_dir) != bool(cfg.checkpoint.local_every_steps or cfg.checkpoint.local_every_minutes):
+        raise ConfigError("set checkpoint.local_dir and local_every_steps/_minutes together, or neither")
 
 
 def to_dict(cfg: Config) -> dict:

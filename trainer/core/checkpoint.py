@@ -128,7 +128,7 @@ class Checkpointer:
                 self.directory.mkdir(parents=True, exist_ok=True)  # Orbax creates no per-process root itself
             extra = dict(multiprocessing_options=_local_multiprocessing(), enable_per_process_directory_creation=True,
                          save_root_metadata=False)
-        keep, keep_every = (cfg.local_keep, 0) if local else (cfg.keep_latest, cfg.keep_every)
+        keep, keep_every = cfg.keep_latest, 0 if local else cfg.keep_every
         self._policy = None if read_only else _preservation(keep, keep_every, self._pins)
         options = ocp.CheckpointManagerOptions(
             preservation_policy=self._policy,
@@ -228,8 +228,7 @@ class Checkpointer:
         tier manifest i is checked by process i mod (process count), so the work is spread whatever the
         process count was at save; a local checkpoint is checked whole by its owner."""
         share = None if self.tier == "local" else (jax.process_index(), jax.process_count())
-        return manifest.verify(self.step_dir(step), share=share, retries=self.cfg.restore_retries,
-                               wait_s=self.cfg.retry_wait_s)
+        return manifest.verify(self.step_dir(step), share=share)
 
     def move_aside(self, step: int, dest: Path) -> None:
         """Keep a rejected checkpoint for a post-mortem, out of the way, so that the step can be written again."""

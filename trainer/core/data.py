@@ -9,7 +9,6 @@ function of (seed, step, skip list) and does not depend on how many processes re
 from __future__ import annotations
 
 import hashlib
-import json
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ import grain
 import numpy as np
 
 from trainer.config import ConfigError, DataConfig
-from trainer.observe.rundir import atomic_write, write_json
+from trainer.observe.rundir import atomic_write, read_json, write_json
 
 TOKENIZER = "bytes+eos"  # ids 0..255 are bytes, 256 separates documents
 EOS = 256
@@ -69,8 +68,20 @@ def _encode(files: list[Path]) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def prepare(cfg: DataConfig) -> Corpus:
-    """Tokenize the configured text once into a cache keyed by its content; reuse it afterwards."""
+def _cached_meta(cache: Path) -> dict | None:
+    """The cache entry's meta.json if it and tokens.bin agree; None (tokenize again) when either is
+    missing or damaged: the entry is ours, rebuilt from the text rather than trusted."""
+    meta = read_json(cache / "meta.json")
+    tokens = cache / "tokens.bin"
+    ok = (meta is not None and isinstance(meta.get("n_tokens"), int) and isinstance(meta.get("fingerprint"), str)
+          and isinstance(meta.get("source"), str) and tokens.is_file()
+          and tokens.stat().st_size == meta["n_tokens"] * np.dtype(TOKEN_DTYPE).itemsize)
+    return meta if ok else None
+
+
+def prepare(cfg: DataConfig, *, min_tokens: int = 1) -> Corpus:
+    """Tokenize the configured text once into a cache keyed by its content; reuse it afterwards. A corpus
+    under `min_tokens` (one training window) is refused before anything is written."""
     if cfg.path:
         src = Path(cfg.path).expanduser()
         if not src.exists():
@@ -85,10 +96,9 @@ def prepare(cfg: DataConfig) -> Corpus:
         h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     cache = Path(cfg.cache_dir).expanduser() / h.hexdigest()[:16]
     meta_path = cache / "meta.json"
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-    else:
+    if (meta := _cached_meta(cache)) is None:
         tokens = _encode(files)
+        _check_length(int(tokens.size), min_tokens, source)
         cache.mkdir(parents=True, exist_ok=True)
         atomic_write(cache / "tokens.bin", tokens.tobytes())
         meta = {
@@ -101,7 +111,14 @@ def prepare(cfg: DataConfig) -> Corpus:
             "source": source,
         }
         write_json(meta_path, meta)
+    _check_length(meta["n_tokens"], min_tokens, source)
     return Corpus(cache / "tokens.bin", meta["n_tokens"], meta["fingerprint"], meta["source"])
+
+
+def _check_length(n_tokens: int, min_tokens: int, source: str) -> None:
+    if n_tokens < min_tokens:
+        raise ConfigError(f"data.path {source}: {n_tokens} tokens, shorter than one training window of {min_tokens} "
+                          f"(model.seq_len + 1); point data.path at more text or lower model.seq_len")
 
 
 class TokenWindows(grain.sources.RandomAccessDataSource):

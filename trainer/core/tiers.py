@@ -165,8 +165,7 @@ class Tiers:
         restored: list[Restored] = []
 
         def load() -> None:
-            restored.append(manifest.retrying(lambda: ck.restore(step, abstract_state),
-                                              retries=self.cfg.restore_retries, wait_s=self.cfg.retry_wait_s))
+            restored.append(manifest.retrying(lambda: ck.restore(step, abstract_state)))
 
         def check() -> manifest.Problem | None:
             try:

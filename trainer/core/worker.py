@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import os
 from pathlib import Path
 
 import jax
 
-from trainer.config import Config, ConfigError, dump_yaml, to_dict
+from trainer.config import FROZEN_KEYS, Config, ConfigError, dump_yaml, to_dict
 from trainer.core import data, optim, tiers
 from trainer.core import mesh as mesh_lib
 from trainer.core import state as state_lib
@@ -25,9 +26,6 @@ from trainer.observe.tensorboard import Writer
 from trainer.supervise import runbook
 from trainer.supervise.faults import FaultInjector
 from trainer.supervise.heartbeat import Heartbeat
-
-# Keys whose change makes a checkpoint meaningless for this run: refuse to resume.
-FROZEN_KEYS = ("model", "data.batch_size", "data.shuffle", "run.seed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +114,7 @@ def versions() -> dict:
 def setup(cfg: Config) -> Worker:
     """Validate everything that can be wrong before the first write to the run dir, then build."""
     run_dir = Path(cfg.run.dir)
-    corpus = data.prepare(cfg.data)
+    corpus = data.prepare(cfg.data, min_tokens=cfg.model.seq_len + 1)
     shape = mesh_lib.mesh_shape(cfg.mesh, jax.device_count())
     validate_shapes(cfg, shape, jax.process_count())
     saved = tiers.saved_meta(run_dir, cfg.checkpoint)
@@ -127,6 +125,8 @@ def setup(cfg: Config) -> Worker:
     setup_compile_cache(cfg.run.compile_cache)
     events = EventLog(run_dir / rundir.EVENTS, enabled=primary)
     rb = runbook.RunbookState.load(run_dir, cfg.optim)
+    if "TRAINER_ATTEMPT" not in os.environ:  # unsupervised: this process is the session (the goodput ledger's unit)
+        events.write("session_start", pid=os.getpid())
     if primary:  # as trained: with the runbook's softened LR, clip and b2, if it softened them
         rundir.atomic_write(run_dir / rundir.CONFIG, dump_yaml(runbook.softened_config(cfg, rb)))
     for c in changes:

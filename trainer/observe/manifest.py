@@ -29,6 +29,7 @@ _CHUNK = 8 << 20
 _TRANSIENT_ERRNOS = {errno.EIO, errno.ETIMEDOUT, errno.EAGAIN, errno.EINTR, errno.ESTALE, errno.EBUSY,
                      errno.ENETDOWN, errno.ENETUNREACH, errno.ECONNRESET, errno.ECONNABORTED}
 _TRANSIENT_WORDS = ("DEADLINE_EXCEEDED", "UNAVAILABLE", "timed out", "Timed out")
+RETRIES, RETRY_WAIT_S = 3, 1.0  # a possibly transient read error is retried 3 times, after 1, 2 and 4 s
 T = TypeVar("T")
 
 
@@ -111,7 +112,7 @@ def is_transient(e: BaseException) -> bool:
     return False
 
 
-def retrying(fn: Callable[[], T], *, retries: int, wait_s: float,
+def retrying(fn: Callable[[], T], *, retries: int = RETRIES, wait_s: float = RETRY_WAIT_S,
              on_retry: Callable[[int, BaseException], None] | None = None) -> T:
     """fn(), retried `retries` times with doubling waits when it fails with a possibly transient error."""
     for attempt in range(retries + 1):
@@ -139,8 +140,9 @@ def _check(step_dir: Path, rel: str, want: dict) -> Problem | None:
     return None
 
 
-def verify(step_dir: Path, *, share: tuple[int, int] | None = None, retries: int = 0, wait_s: float = 1.0,
-           on_retry: Callable[[int, BaseException], None] | None = None) -> Problem | None:
+def verify(step_dir: Path, *, share: tuple[int, int] | None = None, retries: int = RETRIES,
+           wait_s: float = RETRY_WAIT_S, on_retry: Callable[[int, BaseException], None] | None = None
+           ) -> Problem | None:
     """Re-read the files of the manifests and compare; the first problem found. `share` = (i, n): only the
     manifests m with m % n == i (n processes split the work). A possibly transient read error is retried
     before it counts against the checkpoint."""

@@ -42,4 +42,9 @@ class Heartbeat:
 
 
 def read(path: Path) -> dict | None:
-    return read_json(path)
+    """The heartbeat, or None when it is missing, torn or damaged: a reader treats it as not written yet."""
+    hb = read_json(path)
+    if hb is None or hb.get("phase") not in PHASES or not all(
+            isinstance(hb.get(k), (int, float)) and not isinstance(hb.get(k), bool) for k in ("step", "time")):
+        return None
+    return hb
