@@ -61,9 +61,9 @@ def run(cfg: Config) -> int:
     flags = Flags(lr_scale_now=w.hyperparams["lr_scale"])
     _install_signals(w, flags)
     w.heartbeat.beat("startup", 0)
-    st, start = _restore_or_init(w)
+    st, start, tier = _restore_or_init(w)
     if w.primary:  # one line saying where this attempt begins, before any library output
-        print(outcome.begin_line(w.run_dir, start, steps=cfg.train.steps, n_params=w.n_params,
+        print(outcome.begin_line(w.run_dir, start, steps=cfg.train.steps, n_params=w.n_params, tier=tier,
                                  mesh=dict(zip(mesh_lib.AXES, w.mesh.devices.shape))), file=sys.stderr, flush=True)
     st = optim.set_hyperparams(st, w.hyperparams)  # runbook.json wins over what the checkpoint holds
     it = data.make_iterator(cfg.data, corpus=w.corpus, seq_len=cfg.model.seq_len, steps=cfg.train.steps,
@@ -108,10 +108,10 @@ def _restore_or_init(w: Worker):
     if restored is None:
         st = w.spec.init()
         w.events.write("init", step=0, n_params=w.n_params, seconds=time.perf_counter() - t0)
-        return st, 0
+        return st, 0, None
     w.events.write("restore", step=restored.step, tier=restored.tier, seconds=time.perf_counter() - t0)
     assert int(restored.data_state["next_index"]) == restored.step, "data cursor and step disagree"
-    return restored.state, restored.step
+    return restored.state, restored.step, restored.tier
 
 
 def _audit_log(w: Worker, start: int) -> AuditLog:

@@ -45,9 +45,7 @@ class EventLog:
         if self._fh is None:
             self._held.append(rec)
         else:
-            self._fh.write(dumps(rec) + "\n")
-
-            self._append(json.dumps(rec) + "\n")
+            self._append(dumps(rec) + "\n")
 
     def _append(self, line: str) -> None:
         data, fd = line.encode(), self._fh.fileno()
