@@ -296,9 +296,9 @@ def test_two_processes_agree_on_a_bad_shard_and_on_the_newest_local_step_they_al
     ref, corpus = reference(tmp_path_factory.mktemp("multihost"))
     run, local = tmp_path_factory.mktemp("agree") / "run", tmp_path_factory.mktemp("local")
     over = group_overrides(corpus, *TWO, f"checkpoint.local_dir={local}", "checkpoint.local_every_steps=4")
-    run_trainer(run, *over, "train.stop_at_step=20")  # durable 10, 20; local 12, 16 on each process
+    run_trainer(run, *over, "train.stop_at_step=20")  # durable 10, 20; local 8, 12, 16 on each process (keep 3)
     roots = [rundir.local_root(str(local), run) / f"process_{i}" for i in (0, 1)]
-    assert [sorted(int(p.name) for p in r.glob("[0-9]*")) for r in roots] == [[12, 16], [12, 16]]
+    assert [sorted(int(p.name) for p in r.glob("[0-9]*")) for r in roots] == [[8, 12, 16], [8, 12, 16]]
     shard = _largest(run / "checkpoints" / "20" / "state" / "ocdbt.process_1")  # only process 1 reads it
     shard.write_bytes(shard.read_bytes()[:-64] + bytes(64))
     shutil.rmtree(roots[1] / "16")  # process 1 lost its newest local checkpoint: 12 is the newest both hold
