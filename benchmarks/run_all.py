@@ -29,12 +29,18 @@ BENCHMARKS = (
     ("data_headroom", "benchmarks.data_headroom", "step_overhead"),
     ("goodput_chaos", "benchmarks.goodput_chaos", None),
     ("checkpoint_cost", "benchmarks.checkpoint_cost", None),
+    ("checkpoint_tiers", "benchmarks.checkpoint_tiers", None),
+    ("replica_check", "benchmarks.replica_check", None),
 )
 # headline key -> (benchmark, target text, what the trainer is compared with)
 HEADLINES = {
     "step_overhead_ratio": ("step_overhead", ">= 0.97", "bare jitted loop, same model/batch/mesh, pre-loaded data"),
     "ckpt_blocking_vs_sync": ("checkpoint_cost", "<= 0.05", "synchronous save of the same 101M-param state"),
     "ckpt_throughput_ratio": ("checkpoint_cost", ">= 0.97", "same loop without checkpoints"),
+    "local_ckpt_throughput_ratio": ("checkpoint_tiers", ">= 0.97", "same loop without checkpoints; local tier "
+                                    "(RAM disk, uncompressed) save per ~10 s window, sealing included"),
+    "restore_local_vs_durable": ("checkpoint_tiers", "<= 1", "restore (verify + read) of the durable tier"),
+    "replica_check_overhead_at_10": ("replica_check", "<= 0.01", "train step time, tiny config, check every 10"),
     "recovery_vs_cold": ("recovery", "<= 0.5", "cold start (empty compilation cache) to first step"),
     "data_headroom": ("data_headroom", ">= 10", "tokens/s the full trainer consumes"),
     "goodput_vs_model": ("goodput_chaos", "0.90 .. 1.10", "run-survival model fed the run's measured times"),

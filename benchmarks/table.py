@@ -89,6 +89,17 @@ def _support(d: dict) -> list[str]:
         lines.append(f"- goodput: measured {f(gc.get('measured_goodput'))} vs predicted "
                      f"{f(gc.get('predicted_goodput'))} ({f(gc.get('failures'))} crashes, stall "
                      f"{f(gc.get('stall_s'))} s, restart {f(gc.get('restart_s'))} s, step {f(gc.get('step_s'))} s)")
+    if ct := d.get("checkpoint_tiers"):
+        t = ct.get("tiers", {})
+        parts = [f"{name}: tok/s ratio {f(x.get('ckpt_throughput_ratio'))} (CPU-time {f(x.get('cpu_time_ratio'))}), "
+                 f"blocking {f(x.get('blocking_s'))} s, seal {f(x.get('seal', {}).get('cpu_s'))} CPU-s, restore "
+                 f"{f(x.get('restore', {}).get('total_s'))} s (verify {f(x.get('restore', {}).get('verify_s'))})"
+                 for name, x in t.items()]
+        lines.append(f"- tiers, same state and windows: {'; '.join(parts)}")
+    if rp := d.get("replica_check"):
+        parts = [f"{name} ({f(m.get('n_params'))} params): check {f(m.get('check_s'))} s vs step {f(m.get('step_s'))}"
+                 f" s" for name, m in rp.get("models", {}).items()]
+        lines.append(f"- replica check: {'; '.join(parts)}")
     for name, b in d.items():
         if "error" in b:
             lines.append(f"- {name}: FAILED: {b['error'].strip().splitlines()[0] if b['error'].strip() else ''}")

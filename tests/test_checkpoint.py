@@ -1,4 +1,5 @@
-"""A corrupt newest checkpoint is detected on load, reported, set aside, and the previous one used."""
+"""A corrupt newest checkpoint is detected on load, reported, set aside, and the previous one used; retention.
+The other ways a checkpoint goes bad, tiers and storage faults: tests/test_integrity.py."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, refe
             f.write_bytes(bytes(b ^ 0xFF for b in f.read_bytes()))
     run_trainer(run, worker=True)
     evs = events(run)
-    assert [e["step"] for e in evs if e["event"] == "checkpoint_unreadable"] == [20]
+    rejected = [e for e in evs if e["event"] == "checkpoint_rejected"]
+    assert [e["step"] for e in rejected] == [20] and "checksum mismatch" in rejected[0]["reason"], rejected
     assert [e["step"] for e in evs if e["event"] == "restore"] == [10]
-    assert len(list((run / "unreadable_checkpoints").iterdir())) == 1
+    assert len(list((run / "rejected_checkpoints").iterdir())) == 1
     assert summary(run)["params_sha256"] == summary(ref)["params_sha256"]
     assert all(set(v) == set(step_losses(ref)[k]) for k, v in step_losses(run).items())
 

@@ -17,6 +17,7 @@ SUBCOMMANDS = {  # name: (module, one line for --help)
     "report": ("trainer.observe.report", "PNG plots + report.md of a run, into RUN_DIR/report/"),
     "audit": ("trainer.observe.audit", "prove exactly-once data consumption from a run dir"),
     "survival": ("trainer.survival.cli", "run-survival simulator: price the checkpoint interval"),
+    "checkpoints": ("trainer.observe.checkpoints", "list a run's checkpoints (both tiers); --verify re-checks them"),
 }
 COMMANDS_HELP = "commands:\n" + "\n".join(
     [f"  {'--config FILE':<16}train (supervised; --worker: one unsupervised worker); re-run to resume"]

@@ -93,6 +93,10 @@ class CheckpointConfig:
     keep_latest: int = 3
     keep_every: int = 0  # also keep every Nth step forever (0 = off)
     async_save: bool = True
+    verify: bool = True  # content manifests (sha256 per file) written after each save and checked before a restore
+    local_dir: str = ""  # node-local directory (RAM disk, local NVMe) for the fast tier; "" = no local tier
+    local_every_steps: int = 0  # local-tier saves every N steps (0 = none by steps)
+    local_every_minutes: float = 0.0  # local-tier saves every M minutes (0 = none by time); keep_latest applies too
 
 
 @dataclass
@@ -107,8 +111,13 @@ class LogConfig:
 
 
 @dataclass
+class IntegrityConfig:
+    replica_check_steps: int = 0  # compare data-parallel copies of the params every N steps and before saves; 0 = off
+
+
+@dataclass
 class Fault:
-    kind: str  # crash | hang | crash_mid_save | slow | signal | ecc | nan | spike
+    kind: str  # crash | hang | crash_mid_save | slow | signal | ecc | nan | spike | bitflip
     step: int
     seconds: float = 0.0  # slow: extra seconds per step
     count: int = 1  # slow: how many steps; ecc: simulated ECC errors added per step from `step` on
@@ -185,6 +194,7 @@ class Config:
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     runbook: RunbookConfig = field(default_factory=RunbookConfig)
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
+    integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     faults: list[Fault] = field(default_factory=list)
 
@@ -309,11 +319,12 @@ def _positive(cfg: Config, *keys: str, allow_zero: bool = False) -> None:
 
 
 def validate(cfg: Config) -> None:
-    _positive(cfg, "model.vocab_size", "model.seq_len", "model.d_model", "model.n_layers",
+    _positive(cfg, "model.vocab_size", "model.seq_len", "model.d_model", "model.n_layers", "checkpoint.mtbf_hours",
               "model.n_heads", "data.batch_size", "train.steps", "optim.lr", "optim.clip_norm",
               "log.every_steps", "data.read_threads", "data.default_corpus_mb")
     _positive(cfg, "model.d_ff", "optim.warmup_steps", "train.stop_at_step", "checkpoint.every_steps",
               "checkpoint.keep_every", "checkpoint.auto_devices", "mesh.cpu_devices",
+              "checkpoint.local_every_steps", "checkpoint.local_every_minutes", "integrity.replica_check_steps",
               "log.peak_flops", "data.prefetch", "supervisor.max_restarts", allow_zero=True)
     _positive(cfg, "checkpoint.keep_latest", "mesh.fsdp", "mesh.tensor",
               "supervisor.crash_loop_restarts", "supervisor.step_timeout_s", "supervisor.poll_s",
@@ -397,8 +408,8 @@ def _validate_interval(cfg: Config) -> None:
     if not isinstance(m, str) and (isinstance(m, bool) or m < 0):
         raise ConfigError(f"checkpoint.every_minutes must be >= 0 or 'auto', got {m!r}")
     cfg.checkpoint.every_minutes = m
-    if cfg.checkpoint.mtbf_hours <= 0:
-        raise ConfigError(f"checkpoint.mtbf_hours must be > 0, got {cfg.checkpoint.mtbf_hours}")
+    if bool(cfg.checkpoint.local_dir) != bool(cfg.checkpoint.local_every_steps or cfg.checkpoint.local_every_minutes):
+        raise ConfigError("set checkpoint.local_dir and local_every_steps/_minutes together, or neither")
 
 
 def to_dict(cfg: Config) -> dict:

@@ -1,25 +1,38 @@
-"""Orbax checkpoints of the whole run: state (params, optimizer, step, PRNG), data cursor, metadata.
+"""Orbax checkpoints of the whole run, one tier per `Checkpointer`: state (params, optimizer, step, PRNG),
+data cursor, metadata; and when to save (`SavePolicy`).
 
-Saves are async: `save` returns once device arrays are copied to host, and a background thread
-writes them; Orbax commits each step directory atomically, so a crash mid-write leaves only a tmp
-directory that is never restored. Restore verifies by reading: a checkpoint that fails to load is
-reported and the next older one is tried.
+Saves are async: `save` returns once device arrays are copied to host; Orbax writes and commits the step
+directory atomically in the background, and then a sealing thread checksums what this process committed
+and writes its manifest into the step directory (trainer.observe.manifest): the training thread never
+hashes. Retention never deletes the newest sealed checkpoint before a newer one is sealed. A failed write
+(disk full, I/O error) is kept in `failure` for the loop to act on. Choosing, verifying and restoring
+across tiers: trainer.core.tiers.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as cm
 
 from trainer.config import CheckpointConfig
+from trainer.observe import manifest
 
 ITEMS = ("state", "data", "meta")
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written (disk full, write error); the message says what to do."""
 
 
 @dataclass
@@ -28,20 +41,19 @@ class Restored:
     state: Any
     data_state: dict
     meta: dict
+    tier: str
 
 
-def _preservation(cfg: CheckpointConfig, pinned: Callable[[list[int]], set[int]] | None):
-    policies: list = [cm.LatestN(cfg.keep_latest)]
-    if cfg.keep_every:
-        policies.append(cm.EveryNSteps(cfg.keep_every))
-    if pinned is not None:
-        policies.append(_Pinned(pinned))
+def _preservation(keep: int, keep_every: int, pinned: Callable[[list[int]], set[int]]):
+    policies: list = [cm.LatestN(keep), _Pinned(pinned)]
+    if keep_every:
+        policies.append(cm.EveryNSteps(keep_every))
     return cm.AnyPreservationPolicy(policies)
 
 
 class _Pinned(cm.PreservationPolicy):
-    """Keeps steps someone else needs (the runbook's last-known-good checkpoint and rewind target): the
-    callable gets the steps that exist, newest included, and returns those to keep."""
+    """Keeps steps someone else needs (the newest sealed checkpoint, the runbook's last-known-good one and
+    rewind target): the callable gets the steps that exist, newest included, and returns those to keep."""
 
     def __init__(self, pinned: Callable[[list[int]], set[int]]):
         self._pinned = pinned
@@ -77,71 +89,182 @@ class SavePolicy:
         return self.minutes
 
 
+def _local_multiprocessing() -> ocp.options.MultiprocessingOptions:
+    """A local checkpoint involves this process alone: no primary host, no barriers with the others."""
+    return ocp.options.MultiprocessingOptions(primary_host=None, active_processes={jax.process_index()},
+                                              barrier_sync_key_prefix=f"local-{jax.process_index()}")
+
+
+def _local_handlers(mp: ocp.options.MultiprocessingOptions) -> dict:
+    """The local tier: each process writes every shard it holds (one copy per index) into its own directory,
+    uncompressed (what Orbax's emergency checkpointing does for its local tier), and its own JSON items."""
+    from orbax.checkpoint._src.serialization import type_handler_registry, type_handlers
+
+    registry = type_handler_registry.create_type_handler_registry(
+        (jax.Array, type_handlers.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False)))
+    return {"state": ocp.PyTreeCheckpointHandler(use_compression=False, multiprocessing_options=mp,
+                                                 type_handler_registry=registry),
+            "data": ocp.JsonCheckpointHandler(multiprocessing_options=mp),
+            "meta": ocp.JsonCheckpointHandler(multiprocessing_options=mp)}
+
+
 class Checkpointer:
-    def __init__(self, directory: Path, cfg: CheckpointConfig, *,
+    """One tier's Orbax manager. `tier="durable"`: shared storage, one checkpoint written by all processes
+    together. `tier="local"`: this process's own directory on node-local storage."""
+
+    def __init__(self, directory: Path, cfg: CheckpointConfig, *, tier: str = "durable",
                  pinned: Callable[[list[int]], set[int]] | None = None, read_only: bool = False):
+        self.cfg, self.tier = cfg, tier
+        self.directory = Path(directory).absolute()
+        local = tier == "local"
+        # Manifest identity: a local checkpoint is one process's own; a durable one is shared by all.
+        self.writer, self.writers = (0, 1) if local else (jax.process_index(), jax.process_count())
+        self.failure: str | None = None  # set when a save could not be written
+        self._sealer: threading.Thread | None = None
+        self._pinned = pinned
+        extra: dict = {}
+        if local:
+            if not read_only:
+                self.directory.mkdir(parents=True, exist_ok=True)  # Orbax creates no per-process root itself
+            extra = dict(multiprocessing_options=_local_multiprocessing(), enable_per_process_directory_creation=True,
+                         save_root_metadata=False)
+        keep, keep_every = cfg.keep_latest, 0 if local else cfg.keep_every
+        self._policy = None if read_only else _preservation(keep, keep_every, self._pins)
         options = ocp.CheckpointManagerOptions(
-            preservation_policy=None if read_only else _preservation(cfg, pinned),
+            preservation_policy=self._policy,
             enable_async_checkpointing=cfg.async_save,
-            create=not read_only,
+            create=not read_only and not local,
             read_only=read_only,
             cleanup_tmp_directories=not read_only,
+            **extra,
         )
-        self.manager = ocp.CheckpointManager(Path(directory).absolute(), options=options, item_names=ITEMS)
+        items = dict(item_names=ITEMS)
+        if local:
+            items = dict(item_handlers=_local_handlers(extra["multiprocessing_options"]))
+        self.manager = ocp.CheckpointManager(self.directory, options=options, **items)
+
+    def _pins(self, steps: list[int]) -> set[int]:
+        """The newest sealed checkpoint stays until a newer one is sealed (plus whatever the runbook pins)."""
+        keep = set(self._pinned(steps)) if self._pinned else set()
+        if self.cfg.verify:
+            keep.update([s for s in steps if manifest.sealed(self.step_dir(s))][-1:])
+        return keep
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
+    def step_dir(self, step: int) -> Path:
+        return self.directory / str(step)
+
     def save(self, step: int, state: Any, data_state: dict, meta: dict) -> float:
         """Start a save; returns the seconds it blocked the caller (the device-to-host copy)."""
+        self._join_sealer()
+        if self.failure:
+            raise SaveFailed(self.failure)
         t0 = time.perf_counter()
-        self.manager.save(step, force=True, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            # The data cursor is identical on every process (it is the step), so one JSON written by
-            # the primary suffices and stays valid when the process count changes (elastic resume).
-            data=ocp.args.JsonSave(data_state),
-            meta=ocp.args.JsonSave(meta),
-        ))
-        return time.perf_counter() - t0
+        if self.tier == "local":
+            state_arg = ocp.args.PyTreeSave(state)
+        else:
+            state_arg = ocp.args.StandardSave(state)
+        try:
+            self.manager.save(step, force=True, args=ocp.args.Composite(
+                state=state_arg,
+                # The data cursor is identical on every process (it is the step), so one JSON written by
+                # the primary suffices and stays valid when the process count changes (elastic resume).
+                data=ocp.args.JsonSave(data_state),
+                meta=ocp.args.JsonSave(meta),
+            ))
+        except Exception as e:
+            self.failure = self._describe(step, e)
+            raise SaveFailed(self.failure) from e
+        blocking = time.perf_counter() - t0
+        self._sealer = threading.Thread(target=self._seal, args=(step,), name=f"seal-{self.tier}-{step}", daemon=True)
+        self._sealer.start()
+        return blocking
 
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
+    def _seal(self, step: int) -> None:
+        """Off the training thread: wait for Orbax's commit, then checksum what this process wrote."""
+        try:
+            self.manager.wait_until_finished()
+            if self.cfg.verify:
+                manifest.write(self.step_dir(step), process=self.writer, processes=self.writers,
+                               durable=self.tier == "durable")
+        except BaseException as e:  # reported through `failure`, acted on by the loop
+            self.failure = self._describe(step, e)
+
+    def _join_sealer(self) -> None:
+        if self._sealer is not None:
+            self._sealer.join()
+            self._sealer = None
+
+    def _describe(self, step: int, e: BaseException) -> str:
+        chain, x = [], e
+        while x is not None and len(chain) < 10:
+            chain.append(x)
+            x = x.__cause__ or x.__context__
+        full = any(isinstance(x, OSError) and x.errno in _NO_SPACE for x in chain) or any(
+            "No space left" in str(x) or "Disk quota" in str(x) for x in chain)
+        what = "the disk is full" if full else "a write failed"
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        return (f"the {self.tier} checkpoint of step {step} could not be written to {self.directory}: {what} "
+                f"({type(e).__name__}: {first}). Earlier checkpoints are untouched; free space or fix the storage, "
+                f"then rerun the same command to resume.")
+
+    def restore(self, step: int, abstract_state: Any) -> Restored:
+        if self.tier == "local":
+            state_arg = ocp.args.PyTreeRestore(
+                abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))
+        else:
+            state_arg = ocp.args.StandardRestore(abstract_state)
+        out = self.manager.restore(step, args=ocp.args.Composite(
+            state=state_arg, data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+        return Restored(step, out["state"], out["data"], out["meta"], self.tier)
 
     def read_meta(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
-    def restore_newest(self, abstract_state: Any, on_error: Callable[[int, Exception], None]) -> Restored | None:
-        """Newest checkpoint that loads; older ones are tried when a newer one is unreadable."""
-        for step in reversed(self.steps()):
-            try:
-                out = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state),
-                    data=ocp.args.JsonRestore(),
-                    meta=ocp.args.JsonRestore(),
-                ))
-            except Exception as e:  # a torn or corrupt checkpoint: fall back to the previous one
-                on_error(step, e)
-                self._quarantine(step)
-                continue
-            return Restored(step, out["state"], out["data"], out["meta"])
-        return None
+    def verify(self, step: int) -> manifest.Problem | None:
+        """This process's share of re-reading the step's files against their manifests: in the durable
+        tier manifest i is checked by process i mod (process count), so the work is spread whatever the
+        process count was at save; a local checkpoint is checked whole by its owner."""
+        share = None if self.tier == "local" else (jax.process_index(), jax.process_count())
+        return manifest.verify(self.step_dir(step), share=share)
 
-    def _quarantine(self, step: int) -> None:
-        """Move an unreadable checkpoint aside (kept for a post-mortem), so that the resumed run can
-        write that step again."""
-        import jax
+    def move_aside(self, step: int, dest: Path) -> None:
+        """Keep a rejected checkpoint for a post-mortem, out of the way, so that the step can be written again."""
+        src = self.step_dir(step)
+        if src.exists():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(src, dest)
 
-        src = Path(self.manager.directory) / str(step)
-        if jax.process_index() == 0 and src.exists():
-            dst = src.parent.parent / "unreadable_checkpoints" / f"{step}-{int(time.time())}"
-            dst.parent.mkdir(exist_ok=True)
-            src.rename(dst)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices(f"quarantine-{step}")
+    def reload(self) -> None:
         self.manager.reload()
 
-    def close(self) -> None:
+    def wait(self) -> None:
         self.manager.wait_until_finished()
-        self.manager.close()
+        self._join_sealer()
+
+    def close(self) -> None:
+        """Wait until every save is committed and sealed, then apply retention once more (Orbax applies it
+        when a save starts, when the newest checkpoint was not sealed yet); a failure lands in `failure`."""
+        self._join_sealer()
+        try:
+            self.manager.wait_until_finished()
+            if self._policy is not None and not self.failure:
+                infos = [_Info(s) for s in self.steps()]
+                keep = self._policy.should_preserve(infos, context=cm.PreservationContext())
+                for info, kept in zip(infos, keep):
+                    if not kept:
+                        self.manager.delete(info.step)
+            self.manager.close()
+        except Exception as e:  # the failure is reported through `failure`
+            self.failure = self.failure or self._describe(-1, e)
+
+
+@dataclass
+class _Info:
+    """What preservation policies read of a checkpoint (orbax's PolicyCheckpointInfo protocol)."""
+
+    step: int
+    metrics: dict | None = None
+    time: Any = None

@@ -3,6 +3,8 @@ with CPU collectives over gloo in test mode."""
 
 from __future__ import annotations
 
+import json
+
 from trainer.config import LaunchConfig
 from trainer.supervise.membership import Membership, detect
 
@@ -20,3 +22,22 @@ def initialize(cfg: LaunchConfig, *, cpu: bool) -> Membership:
     jax.distributed.initialize(coordinator_address=me.coordinator, num_processes=me.processes,
                                process_id=me.process_id, initialization_timeout=cfg.init_timeout_s)
     return me
+
+
+def allgather_json(obj, *, limit: int = 1 << 16) -> list:
+    """Every process's `obj` (JSON-able, at most `limit` bytes encoded), in process order: how processes
+    agree on verdicts that are not flags (which checkpoint, which file is bad). One host collective."""
+    import jax
+
+    if jax.process_count() == 1:
+        return [obj]
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    raw = json.dumps(obj).encode()
+    assert len(raw) <= limit, f"allgather_json: {len(raw)} bytes > {limit}"
+    buf = np.zeros(limit + 4, np.uint8)
+    buf[:4] = np.frombuffer(len(raw).to_bytes(4, "little"), np.uint8)
+    buf[4:4 + len(raw)] = np.frombuffer(raw, np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(buf)).reshape(jax.process_count(), limit + 4)
+    return [json.loads(bytes(r[4:4 + int.from_bytes(bytes(r[:4]), "little")])) for r in rows]

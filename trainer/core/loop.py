@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from trainer.config import Config, to_dict
-from trainer.core import checkpoint, data, optim
+from trainer.core import checkpoint, data, integrity, optim
 from trainer.core import mesh as mesh_lib
 from trainer.core.model import flops_per_token
 from trainer.core.state import params_sha256
@@ -61,9 +61,9 @@ def run(cfg: Config) -> int:
     flags = Flags(lr_scale_now=w.hyperparams["lr_scale"])
     _install_signals(w, flags)
     w.heartbeat.beat("startup", 0)
-    st, start = _restore_or_init(w)
+    st, start, tier = _restore_or_init(w)
     if w.primary:  # one line saying where this attempt begins, before any library output
-        print(outcome.begin_line(w.run_dir, start, steps=cfg.train.steps, n_params=w.n_params,
+        print(outcome.begin_line(w.run_dir, start, steps=cfg.train.steps, n_params=w.n_params, tier=tier,
                                  mesh=dict(zip(mesh_lib.AXES, w.mesh.devices.shape))), file=sys.stderr, flush=True)
     st = optim.set_hyperparams(st, w.hyperparams)  # runbook.json wins over what the checkpoint holds
     it = data.make_iterator(cfg.data, corpus=w.corpus, seq_len=cfg.model.seq_len, steps=cfg.train.steps,
@@ -103,16 +103,15 @@ def _install_signals(w: Worker, flags: Flags) -> None:
 def _restore_or_init(w: Worker):
     w.heartbeat.beat("restore", 0)
     t0 = time.perf_counter()
-    restored = w.ckpt.restore_newest(
-        w.spec.abstract,
-        on_error=lambda step, e: w.events.write("checkpoint_unreadable", step=step, error=repr(e)[:300]))
+    restored = w.ckpt.restore_newest(w.spec.abstract, layout={"processes": jax.process_count(),
+                                                              "mesh": dict(zip(mesh_lib.AXES, w.mesh.devices.shape))})
     if restored is None:
         st = w.spec.init()
         w.events.write("init", step=0, n_params=w.n_params, seconds=time.perf_counter() - t0)
-        return st, 0
-    w.events.write("restore", step=restored.step, seconds=time.perf_counter() - t0)
+        return st, 0, None
+    w.events.write("restore", step=restored.step, tier=restored.tier, seconds=time.perf_counter() - t0)
     assert int(restored.data_state["next_index"]) == restored.step, "data cursor and step disagree"
-    return restored.state, restored.step
+    return restored.state, restored.step, restored.tier
 
 
 def _audit_log(w: Worker, start: int) -> AuditLog:
@@ -151,7 +150,7 @@ def _train(w: Worker, flags: Flags, step_fn, it, audit: AuditLog | None, st, sta
     stop_at = cfg.train.stop_at_step or cfg.train.steps
     policy = checkpoint.SavePolicy(cfg.checkpoint, devices=jax.device_count(), restart_s=_measured_restart_s(w))
     log = _StepLog(w, flags)
-    step = start
+    step = last_good = start  # last_good: the last step whose replicas agreed (a restored state agrees)
     while step < stop_at:
         w.heartbeat.beat("step", step)
         w.faults.before_step(step)
@@ -162,17 +161,33 @@ def _train(w: Worker, flags: Flags, step_fn, it, audit: AuditLog | None, st, sta
         if audit:
             audit.record(step, local)
         st = _set_lr_scale(w, flags, st, step)
+        if w.faults.bitflip(step):
+            st = _bitflip(st, step)
         st, m = step_fn(st, batch)
         step += 1
         log.dispatched(step, m, data_wait)  # emits the previous step's metrics: they are ready by now
         periodic, timed = policy.due(step)
-        spike, stop, asked, timed, flags.hold = _agree(
-            [flags.spike is not None, flags.stop, bool(flags.save_now), timed, flags.hold])
+        to_local, local_timed = w.ckpt.local_due(step)
+        spike, stop, asked, timed, flags.hold, local_timed, failed = _agree(
+            [flags.spike is not None, flags.stop, bool(flags.save_now), timed, flags.hold, local_timed,
+             bool(w.ckpt.failure())])
         flags.stop |= stop  # a peer's SIGTERM stops this process too; a signal landing meanwhile is kept
         if spike:
             return _spike_exit(w, flags)
-        if not flags.hold and (stop or asked or timed or periodic or step == stop_at):  # never save a spike
-            log.ckpt_s = _save(w, st, step, _save_reason(stop, flags, cfg, step, stop_at, asked))
+        if failed:
+            return _storage_exit(w, step)
+        durable = not flags.hold and (stop or asked or timed or periodic or step == stop_at)  # never save a spike
+        to_local = not flags.hold and not durable and (to_local or local_timed)
+        if _replicas_due(w, step, saving=durable or to_local):  # a state is checked before it is saved
+            if (bad := w.replicas.check(st["params"])) is not None:
+                return _replica_exit(w, step, last_good, bad)
+            last_good = step
+        if durable or to_local:
+            reason = _save_reason(stop, flags, cfg, step, stop_at, asked) if durable else "local"
+            if (blocking := _save(w, st, step, reason, "durable" if durable else "local")) is None:
+                return _storage_exit(w, step)
+            log.ckpt_s = blocking
+        if durable:
             flags.save_now = ""
             if (minutes := policy.saved(log.ckpt_s)) is not None:
                 w.events.write("checkpoint_interval", step=step, minutes=minutes, blocking_s=log.ckpt_s)
@@ -196,7 +211,9 @@ def _save_reason(stop: bool, flags: Flags, cfg: Config, step: int, stop_at: int,
 
 def _end(w: Worker, flags: Flags, st, step: int, loss: float) -> int:
     w.heartbeat.beat("checkpoint", step)
-    w.ckpt.close()  # durable before we report anything as saved
+    w.ckpt.close()  # durable (and sealed) before we report anything as saved
+    if w.ckpt.failure():
+        return _storage_exit(w, step)
     if flags.stop:
         w.events.write("preempted", step=step)
         return exit_codes.PREEMPTED
@@ -221,12 +238,53 @@ def _meta(w: Worker) -> dict:
     }
 
 
-def _save(w: Worker, st, step: int, reason: str) -> float:
+def _save(w: Worker, st, step: int, reason: str, tier: str) -> float | None:
+    """Start a save into one tier: its blocking seconds, or None when a durable save could not be written."""
     w.heartbeat.beat("checkpoint", step)
-    blocking = w.ckpt.save(step, st, {"next_index": step}, _meta(w))
-    w.events.write("checkpoint_saved", step=step, blocking_s=blocking, reason=reason)
+    try:
+        blocking = w.ckpt.save(step, st, {"next_index": step}, _meta(w), tier=tier)
+    except checkpoint.SaveFailed:
+        return None
+    if blocking is None:  # the local tier failed and is off now (an event says so); the durable one carries on
+        return 0.0
+    w.events.write("checkpoint_saved", step=step, blocking_s=blocking, reason=reason, tier=tier)
     w.faults.after_save_started(step)
     return blocking
+
+
+def _replicas_due(w: Worker, step: int, *, saving: bool) -> bool:
+    return w.replicas is not None and (saving or step % w.cfg.integrity.replica_check_steps == 0)
+
+
+def _replica_exit(w: Worker, step: int, last_good: int, bad: dict) -> int:
+    """Replicas of the params diverged: leave without saving; the supervisor rewinds to a checkpoint saved
+    at or before `last_good` (every save was preceded by a check that passed) and restarts."""
+    w.events.write("replica_mismatch", step=step, last_good=last_good, **bad)
+    odd = [d["device"] for d in bad["devices"] if d["odd"]]
+    print(f"worker: replicas of {bad['param']} differ at step {step} (devices {odd} of "
+          f"{[d['device'] for d in bad['devices']]}); last agreement at step {last_good}", file=sys.stderr)
+    w.ckpt.close()  # saves of earlier, checked states finish
+    w.events.close()
+    return exit_codes.REPLICA_MISMATCH
+
+
+def _storage_exit(w: Worker, step: int) -> int:
+    """A checkpoint could not be written: say why and stop (a restart would only fill the disk again). No
+    waiting on the failed save: a peer's background writer may wait in a barrier for it until a timeout."""
+    msg = w.ckpt.failure() or "a checkpoint could not be written"
+    w.events.write("checkpoint_failed", step=step, tier="durable", message=msg)
+    print(f"worker: {msg}", file=sys.stderr, flush=True)
+    w.events.close()
+    w.scalars.close()
+    os._exit(exit_codes.STORAGE)
+
+
+def _bitflip(st, step: int):
+    """The bitflip fault: one bit of one replica's copy of one param (silent data corruption)."""
+    st, flipped = integrity.bitflip(st)
+    if flipped:
+        print(f"worker: fault bitflip before step {step}: {flipped}", file=sys.stderr, flush=True)
+    return st
 
 
 def _spike_exit(w: Worker, flags: Flags) -> int:

@@ -14,9 +14,10 @@ from pathlib import Path
 import jax
 
 from trainer.config import FROZEN_KEYS, Config, ConfigError, dump_yaml, to_dict
-from trainer.core import checkpoint, data, optim
+from trainer.core import data, optim, tiers
 from trainer.core import mesh as mesh_lib
 from trainer.core import state as state_lib
+from trainer.core.integrity import ReplicaCheck
 from trainer.core.model import GPT
 from trainer.observe import alerts, rundir
 from trainer.observe.events import EventLog
@@ -37,7 +38,7 @@ class Worker:
     corpus: data.Corpus
     mesh: jax.sharding.Mesh
     spec: state_lib.StateSpec
-    ckpt: checkpoint.Checkpointer
+    ckpt: tiers.Tiers  # the durable checkpoint tier and the optional node-local one
     events: EventLog
     scalars: Writer
     heartbeat: Heartbeat
@@ -45,6 +46,7 @@ class Worker:
     skips: list[int]  # data batches the runbook skips (runbook.json)
     hyperparams: dict[str, float]  # the runbook's lr_scale, clip_norm, b2 (runbook.json)
     n_params: int
+    replicas: ReplicaCheck | None  # integrity.replica_check_steps > 0: compares data-parallel copies of the params
     # Observers of each step's metrics: objects with on_step(step, rec) -> action dict | None.
     monitors: list = dataclasses.field(default_factory=list)
 
@@ -109,22 +111,13 @@ def versions() -> dict:
     return out
 
 
-def _read_saved_meta(ckpt_dir: Path, cfg: Config) -> dict | None:
-    if not ckpt_dir.is_dir():
-        return None
-    reader = checkpoint.Checkpointer(ckpt_dir, cfg.checkpoint, read_only=True)
-    steps = reader.steps()
-    return reader.read_meta(steps[-1]) if steps else None
-
-
 def setup(cfg: Config) -> Worker:
     """Validate everything that can be wrong before the first write to the run dir, then build."""
     run_dir = Path(cfg.run.dir)
     corpus = data.prepare(cfg.data, min_tokens=cfg.model.seq_len + 1)
     shape = mesh_lib.mesh_shape(cfg.mesh, jax.device_count())
     validate_shapes(cfg, shape, jax.process_count())
-    ckpt_dir = run_dir / rundir.CHECKPOINTS
-    saved = _read_saved_meta(ckpt_dir, cfg)
+    saved = tiers.saved_meta(run_dir, cfg.checkpoint)
     changes = check_resume(saved, cfg, corpus.fingerprint) if saved else []
 
     primary = jax.process_index() == 0
@@ -150,9 +143,11 @@ def setup(cfg: Config) -> Worker:
     faults = FaultInjector(cfg.faults, run_dir, enabled=primary)
     w = Worker(
         cfg=cfg, run_dir=run_dir, primary=primary, corpus=corpus, mesh=mesh, spec=spec,
-        ckpt=checkpoint.Checkpointer(ckpt_dir, cfg.checkpoint, pinned=pins), events=events, scalars=scalars,
-        heartbeat=Heartbeat(run_dir, jax.process_index()), faults=faults, skips=rb.skips,
-        hyperparams=rb.hyperparams(), n_params=state_lib.param_count(spec.abstract),
+        ckpt=tiers.Tiers(run_dir, cfg.checkpoint, log=events.write, pinned=pins,
+                         rewinds=[h["to"] for h in rb.history if h["action"] in ("skip", "soften")]),
+        events=events, scalars=scalars, heartbeat=Heartbeat(run_dir, jax.process_index()), faults=faults,
+        skips=rb.skips, hyperparams=rb.hyperparams(), n_params=state_lib.param_count(spec.abstract),
+        replicas=ReplicaCheck(mesh, spec.abstract["params"]) if cfg.integrity.replica_check_steps else None,
     )
     # Dashboard: grad-norm trend, throughput drop, hardware health (ECC rising -> checkpoint now), markers.
     w.monitors.extend(alerts.build(cfg, run_dir=run_dir, events=events, scalars=scalars, faults=faults))

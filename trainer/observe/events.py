@@ -6,24 +6,30 @@ null). Only process 0 of a worker group writes; the supervisor tags its own reco
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from trainer.observe.rundir import dumps
 
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
 
 class EventLog:
     """Appends events, one flushed line each. `hold=True` keeps them in memory until `open()`: the
     supervisor holds its first events back until a worker has accepted the config, so that a bad config
-    never writes into an existing run dir. A disabled log (processes other than 0) writes nothing."""
+    never writes into an existing run dir. A disabled log (processes other than 0) writes nothing.
+    A full disk drops events (one warning on stderr) instead of killing a run whose checkpoints still fit."""
 
     def __init__(self, path: Path, *, enabled: bool = True, by: str | None = None, hold: bool = False):
         self._path, self._enabled, self._by = Path(path), enabled, by
         self._held: list[dict] = []
         self._fh = None
+        self._dropped = 0
         if enabled and not hold:
             self.open()
 
@@ -39,13 +45,29 @@ class EventLog:
         if self._fh is None:
             self._held.append(rec)
         else:
-            self._fh.write(dumps(rec) + "\n")
+            self._append(dumps(rec) + "\n")
+
+    def _append(self, line: str) -> None:
+        data, fd = line.encode(), self._fh.fileno()
+        try:
+            # One unbuffered O_APPEND write per event: a failure leaves nothing queued to land half-way later,
+            # and a short write (the disk filled mid-line) is cut off again so the next event starts a line.
+            if (n := os.write(fd, data)) < len(data):
+                os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_END) - n)
+                raise OSError(errno.ENOSPC, "short write")
+        except OSError as e:
+            if e.errno not in NO_SPACE:
+                raise
+            if not self._dropped:
+                print(f"warning: {self._path}: no space left on the device; events are dropped until there is "
+                      f"(training and checkpoints carry on)", file=sys.stderr, flush=True)
+            self._dropped += 1
 
     def open(self) -> None:
         if self._fh is None and self._enabled:
-            self._fh = open(self._path, "a", buffering=1)
+            self._fh = open(self._path, "ab", buffering=0)
             for rec in self._held:
-                self._fh.write(dumps(rec) + "\n")
+                self._append(dumps(rec) + "\n")
             self._held = []
 
     def close(self) -> None:

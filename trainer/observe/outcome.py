@@ -32,8 +32,8 @@ def begin_line(run_dir: Path, start: int, *, steps: int, n_params: int, mesh: di
                tier: str | None = None) -> str:
     """The first line of an attempt: a fresh start, or the checkpoint it resumed from."""
     if start:
-        where = Path(run_dir) / rundir.CHECKPOINTS / str(start)
-        return f"resumed from step {start} of checkpoint {where}{f' (tier {tier})' if tier else ''}; " \
+        where = "the node-local tier" if tier == "local" else Path(run_dir) / rundir.CHECKPOINTS / str(start)
+        return f"resumed from step {start} of checkpoint {where}; " \
                f"training to step {steps}"
     devices = 1
     for v in mesh.values():

@@ -9,7 +9,10 @@ would otherwise share, and truncate, one file).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+
+from trainer.observe.events import NO_SPACE
 
 
 class Writer:
@@ -19,6 +22,7 @@ class Writer:
             from tensorboardX import SummaryWriter  # loaded only by writers that write
 
             self._w = SummaryWriter(str(logdir), flush_secs=10, filename_suffix=suffix)
+            _guard_disk_full(self._w, logdir)
 
     def add(self, step: int, values: dict[str, float]) -> None:
         if self._w:
@@ -51,3 +55,39 @@ class Writer:
     def close(self) -> None:
         if self._w:
             self._w.close()
+
+
+class _NoSpaceGuard:
+    """Stands in for tensorboardX's record writer, which its background thread writes through: a full disk
+    drops TensorBoard records (one warning on stderr) instead of killing that thread, after which every
+    add_scalar would block forever on the thread's full queue and stall training."""
+
+    def __init__(self, inner, logdir: Path):
+        self._inner, self._logdir, self._warned = inner, logdir, False
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except OSError as e:
+            if e.errno not in NO_SPACE:
+                raise
+            if not self._warned:
+                print(f"warning: {self._logdir}: no space left on the device; TensorBoard records are dropped "
+                      f"until there is (training and checkpoints carry on)", file=sys.stderr, flush=True)
+                self._warned = True
+
+    def write_event(self, event):
+        return self._call(self._inner.write_event, event)
+
+    def flush(self):
+        return self._call(self._inner.flush)
+
+    def close(self):
+        return self._call(self._inner.close)
+
+
+def _guard_disk_full(w, logdir: Path) -> None:
+    # tensorboardX offers no hook for write errors: wrap the record writer its thread and close() use.
+    events = w._get_file_writer().event_writer
+    guard = _NoSpaceGuard(events._ev_writer, logdir)
+    events._ev_writer = events._worker._record_writer = guard

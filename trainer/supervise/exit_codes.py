@@ -8,7 +8,9 @@ CRASH_LOOP = 76  # the same step keeps failing: a human must look
 RESTART_BUDGET = 77  # too many restarts in total
 SPIKE = 78  # worker -> supervisor: a loss spike was detected; run the runbook
 RUNBOOK_GAVE_UP = 79  # the spike runbook spent its budget of actions
+REPLICA_MISMATCH = 80  # worker -> supervisor: data-parallel replicas diverged (silent data corruption); rewind
+STORAGE = 81  # a checkpoint could not be written (disk full, write error): earlier ones are intact
 
 NAMES = {OK: "ok", CONFIG: "config error", LOCKED: "run dir locked", PREEMPTED: "preempted",
          CRASH_LOOP: "crash loop", RESTART_BUDGET: "restart budget spent", SPIKE: "loss spike",
-         RUNBOOK_GAVE_UP: "runbook gave up"}
+         RUNBOOK_GAVE_UP: "runbook gave up", REPLICA_MISMATCH: "replica mismatch", STORAGE: "checkpoint storage failed"}

@@ -15,7 +15,7 @@ from pathlib import Path
 from trainer.config import Fault
 from trainer.observe.rundir import write_json
 
-KINDS = ("crash", "hang", "crash_mid_save", "slow", "signal", "ecc", "nan", "spike")
+KINDS = ("crash", "hang", "crash_mid_save", "slow", "signal", "ecc", "nan", "spike", "bitflip")
 CRASH_EXIT = 13
 
 
@@ -76,6 +76,15 @@ class FaultInjector:
                 self._record(f)
                 return float("nan") if f.kind == "nan" else base * f.scale
         return base
+
+    def bitflip(self, step: int) -> bool:
+        """Whether to flip one bit in one replica's params before the update at `step` (silent data corruption:
+        trainer.core.integrity does it). Every process asks; the one holding that replica flips."""
+        for i, f in self._all:
+            if f.kind == "bitflip" and f.step == step and i not in self._fired:
+                self._record(f)
+                return True
+        return False
 
     def after_save_started(self, step: int) -> None:
         """Called right after an async save was started for `step`: die while it is being written."""

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from trainer.config import SupervisorConfig
+from trainer.observe.events import NO_SPACE
 from trainer.observe.rundir import read_json, write_json
 
 PHASES = ("startup", "restore", "compile", "step", "checkpoint", "done")
@@ -32,8 +33,12 @@ class Heartbeat:
 
     def beat(self, phase: str, step: int) -> None:
         # "launch" names the attempt (set by the supervisor), so a stale file from an old attempt never counts.
-        write_json(self.path, {"phase": phase, "step": step, "time": time.time(), "pid": os.getpid(),
-                               "launch": os.environ.get("TRAINER_LAUNCH_ID", "")}, indent=None)
+        try:
+            write_json(self.path, {"phase": phase, "step": step, "time": time.time(), "pid": os.getpid(),
+                                   "launch": os.environ.get("TRAINER_LAUNCH_ID", "")}, indent=None)
+        except OSError as e:  # a full disk: the last beat stays; a real hang is still caught by its age
+            if e.errno not in NO_SPACE:
+                raise
 
 
 def read(path: Path) -> dict | None:

@@ -23,7 +23,8 @@ from trainer.supervise import exit_codes, membership
 
 PR_SET_PDEATHSIG = 1
 # Exits the worker chose (its peers follow within moments); anything else means the group is broken.
-CONTROLLED = (exit_codes.OK, exit_codes.CONFIG, exit_codes.PREEMPTED, exit_codes.SPIKE)
+CONTROLLED = (exit_codes.OK, exit_codes.CONFIG, exit_codes.PREEMPTED, exit_codes.SPIKE, exit_codes.REPLICA_MISMATCH,
+              exit_codes.STORAGE)
 ENV_LAUNCH_ID = "TRAINER_LAUNCH_ID"  # workers put it in their heartbeats: stale files of old attempts never match
 
 

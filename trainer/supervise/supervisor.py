@@ -21,7 +21,7 @@ from trainer.config import Config
 from trainer.observe import goodput, outcome, rundir
 from trainer.observe.alerts import ALERTS
 from trainer.observe.events import EventLog, read_events
-from trainer.supervise import exit_codes, heartbeat, launcher, runbook
+from trainer.supervise import exit_codes, heartbeat, integrity, launcher, runbook
 from trainer.supervise.noise import is_library_noise
 
 
@@ -65,12 +65,16 @@ class Supervisor:
             if not is_library_noise(line):
                 sys.stderr.write(line)
             att.tail.append(line.rstrip("\n"))
-            if log is None and self.accepted:
-                log_dir.mkdir(parents=True, exist_ok=True)
-                log = open(log_dir / f"worker-{att.number}.log", "a")
-                log.writelines(t + "\n" for t in att.tail)
-            elif log:
-                log.write(line)
+            try:
+                if log is None and self.accepted:
+                    log_dir.mkdir(parents=True, exist_ok=True)
+                    log = open(log_dir / f"worker-{att.number}.log", "a")
+                    log.writelines(t + "\n" for t in att.tail)
+                elif log:
+                    log.write(line)
+            except OSError as e:  # disk full: keep draining the pipe (a full pipe would stall the worker)
+                print(f"supervisor: worker log not written ({e}); output continues here only", file=sys.stderr)
+                log = False
         if log:
             log.close()
 
@@ -185,7 +189,12 @@ class Supervisor:
                     self._write_ledger(t0, restarts)
                     return exit_codes.RUNBOOK_GAVE_UP
                 continue
+            if code == exit_codes.STORAGE:  # a restart would only fail again: the tail says why and what to do
+                return self._give_up(code, step, "a checkpoint could not be written", att, t0, restarts)
             reason = "hang" if att.hang else f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            if code == exit_codes.REPLICA_MISMATCH:  # silent data corruption: back to a checked state, then restart
+                print(f"supervisor: {integrity.rewind(self.run_dir, self.events.write, tag=number)}", file=sys.stderr)
+                reason = "replica mismatch"
             # A crash loop is the same step failing again and again; random faults land elsewhere.
             same_step_failures = same_step_failures + 1 if step == last_fail_step else 1
             last_fail_step = step
@@ -209,12 +218,16 @@ class Supervisor:
             self.stop_signal = signum
 
     def _give_up(self, code: int, step, reason: str, att: Attempt, t0: float, restarts: int) -> int:
-        what = "crash loop" if code == exit_codes.CRASH_LOOP else "restart budget spent"
+        what = exit_codes.NAMES[code]
         last = "\n".join([t for t in att.tail if not is_library_noise(t)][-10:])
         self.events.write("gave_up", step=step, reason=what, last_error=reason, restarts=restarts)
-        self._write_ledger(t0, restarts)
-        print(f"supervisor: giving up ({what}): the worker keeps failing at step {step} ({reason}) "
-              f"after {restarts} restarts. Last worker output:\n{last}", file=sys.stderr)
+        try:
+            self._write_ledger(t0, restarts)
+        except OSError as e:  # a full disk (exit STORAGE) must not hide the message below behind a traceback
+            print(f"supervisor: could not write the goodput ledger: {e}", file=sys.stderr)
+        why = (f"at step {step} {reason}; restarting would not help" if code == exit_codes.STORAGE else
+               f"the worker keeps failing at step {step} ({reason}) after {restarts} restarts")
+        print(f"supervisor: giving up ({what}): {why}. Last worker output:\n{last}", file=sys.stderr)
         return code
 
     def _complete(self, t0: float, restarts: int) -> int:

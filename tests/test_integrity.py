@@ -1,0 +1,360 @@
+"""Checkpoint integrity end to end, on real runs: a newest checkpoint with flipped bytes, a truncated, a
+deleted or an unsealed file, or a torn metadata item is rejected with an event, set aside, and the run falls
+back to the previous verified checkpoint and ends bitwise like an undisturbed run. Also: retention keeps
+the newest sealed checkpoint, transient read errors are retried, the node-local tier, silent data
+corruption caught by the replica check, and a full disk (tmpfs)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, child_env, events, run_trainer, step_losses, summary, trainer_cmd
+from test_layout import _cli
+
+from trainer.observe import manifest, rundir
+from trainer.supervise import exit_codes
+
+
+def _same_as(run: Path, ref: Path, unlogged: tuple[int, ...] = ()) -> None:
+    """Bitwise the reference run. `unlogged`: steps whose loss a kill right after their save may not have let
+    the loop log (it logs a step's metrics when it dispatches the next one)."""
+    assert summary(run)["params_sha256"] == summary(ref)["params_sha256"]
+    losses, ref_losses = step_losses(run), step_losses(ref)
+    assert set(ref_losses) - set(unlogged) <= set(losses) <= set(ref_losses)
+    assert all(set(v) == set(ref_losses[k]) for k, v in losses.items())
+
+
+def _of(run: Path, kind: str) -> list[dict]:
+    return [e for e in events(run) if e["event"] == kind]
+
+
+# --- a bad newest checkpoint ---------------------------------------------------------------------------
+
+def _largest(directory: Path) -> Path:
+    return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _flip(step_dir: Path) -> str:
+    f = _largest(step_dir / "state")
+    b = bytearray(f.read_bytes())
+    for i in range(len(b) // 2, len(b) // 2 + 8):  # a few bytes in the middle: Orbax still reads the file
+        b[i] ^= 0x5A
+    f.write_bytes(bytes(b))
+    return f.relative_to(step_dir).as_posix()
+
+
+def _truncate(step_dir: Path) -> str:
+    f = _largest(step_dir / "state")
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+    return f.relative_to(step_dir).as_posix()
+
+
+def _delete(step_dir: Path) -> str:
+    f = _largest(step_dir / "state")
+    f.unlink()
+    return f.relative_to(step_dir).as_posix()
+
+
+def _tear_meta(step_dir: Path) -> str:
+    f = step_dir / "meta" / "metadata"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # what the issue saw crash-loop every restart
+    return "meta/metadata"
+
+
+def _unseal(step_dir: Path) -> str:
+    shutil.rmtree(step_dir / manifest.DIR)  # killed after Orbax's commit, before the manifest was written
+    return ""
+
+
+CORRUPTIONS = {"bytes_flipped": (_flip, "checksum mismatch"), "truncated": (_truncate, "truncated"),
+               "deleted": (_delete, "file missing"), "meta_torn": (_tear_meta, "truncated or torn"),
+               "unsealed": (_unseal, "unverified")}
+
+
+@pytest.fixture(scope="module")
+def stopped_at_20(tmp_path_factory) -> Path:
+    """A run stopped at step 20 with checkpoints 10, 15, 20 (and 5, the runbook's last-known-good pin)."""
+    run = tmp_path_factory.mktemp("saved") / "run"
+    run_trainer(run, "checkpoint.every_steps=5", "train.stop_at_step=20", worker=True)
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [5, 10, 15, 20]
+    return run
+
+
+@pytest.mark.parametrize("how", sorted(CORRUPTIONS))
+def test_a_bad_newest_checkpoint_is_rejected_and_the_previous_one_used(tmp_path, stopped_at_20, reference_run,
+                                                                       how):
+    ref = reference_run()
+    run = tmp_path / "run"
+    shutil.copytree(stopped_at_20, run)
+    corrupt, reason = CORRUPTIONS[how]
+    bad_file = corrupt(run / "checkpoints" / "20")
+    if how == "bytes_flipped":  # the jax-free listing finds it too, before any restore
+        out = _cli("checkpoints", str(run), "--verify", "--json")
+        listed = {e["step"]: e for e in json.loads(out.stdout)}
+        assert out.returncode == 1 and not listed[20]["verified"] and bad_file in listed[20]["detail"], out.stderr
+        assert all(listed[s]["verified"] for s in (5, 10, 15))
+    run_trainer(run, "checkpoint.every_steps=5", worker=True)
+    rejected = _of(run, "checkpoint_rejected")
+    assert [(e["step"], e["tier"], e["file"]) for e in rejected] == [(20, "durable", bad_file)], rejected
+    assert reason in rejected[0]["reason"], rejected
+    assert [(e["step"], e["tier"]) for e in _of(run, "restore")] == [(15, "durable")]  # the previous, not the oldest
+    assert [p.name.split("-")[0] for p in (run / rundir.REJECTED).iterdir()] == ["20"]
+    _same_as(run, ref)
+
+
+def test_retention_keeps_the_newest_sealed_checkpoint_until_a_newer_one_is_sealed(tmp_path):
+    import jax.numpy as jnp
+
+    from trainer.config import CheckpointConfig
+    from trainer.core.checkpoint import Checkpointer
+
+    cfg = CheckpointConfig(keep_latest=1)
+    state = {"w": jnp.arange(64.0)}
+
+    def save(step: int) -> Checkpointer:
+        ck = Checkpointer(tmp_path, cfg)
+        ck.save(step, state, {"next_index": step}, {})
+        return ck
+
+    save(1).close()
+    ck = save(2)
+    ck.wait()  # committed and sealed, then killed before close: 1 is still there, 2 is the only sealed one
+    shutil.rmtree(tmp_path / "2" / manifest.DIR)  # ... or killed between commit and seal: 1 is the newest sealed
+    ck = save(3)  # retention while 3 is being written: keep_latest=1 keeps 3, the pin keeps 1 (2 was never sealed)
+    ck.wait()
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [1, 3]
+    ck.close()  # 3 is sealed now: it alone is kept
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [3]
+    assert manifest.verify(tmp_path / "3") is None
+
+
+def test_possibly_transient_read_errors_are_retried_and_others_are_not():
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise OSError(errno.EIO, "Input/output error")
+        return "read"
+
+    assert manifest.retrying(flaky, retries=3, wait_s=0.01) == "read" and len(calls) == 3
+    timeout = ValueError("DEADLINE_EXCEEDED: reading the OCDBT manifest")
+    assert manifest.is_transient(timeout) and manifest.is_transient(TimeoutError())
+    for permanent in (FileNotFoundError(errno.ENOENT, "gone"), ValueError("Unterminated string")):
+        calls.clear()
+
+        def broken(e=permanent):
+            calls.append(1)
+            raise e
+
+        with pytest.raises(type(permanent)):
+            manifest.retrying(broken, retries=3, wait_s=0.01)
+        assert len(calls) == 1, permanent
+
+
+# --- silent data corruption in training ---------------------------------------------------------------
+
+def test_a_bitflip_in_one_replica_is_caught_rewound_and_the_run_ends_identical(tmp_path, reference_run):
+    ref = reference_run()  # the tiny config's mesh: data 2 x fsdp 2 x tensor 2; params are replicated over data
+    run = tmp_path / "run"
+    proc = run_trainer(run, "integrity.replica_check_steps=5", "faults=[{kind: bitflip, step: 12}]")
+    (mismatch,) = _of(run, "replica_mismatch")
+    assert 12 < mismatch["step"] <= 12 + 5 and mismatch["last_good"] == 10, mismatch
+    odd = [d for d in mismatch["devices"] if d["odd"]]
+    assert {d["data"] for d in odd} == {0, 1} and len({(d["fsdp"], d["tensor"]) for d in odd}) == 1, mismatch
+    assert "silent data corruption" in proc.stderr
+    (rewind,) = _of(run, "replica_rewind")
+    assert rewind["to"] == 10 and rewind["moved"] == []  # every save was checked first: none is newer
+    assert [e.get("exit_code") for e in _of(run, "worker_exit")] == [exit_codes.REPLICA_MISMATCH, 0]
+    assert [(e["step"], e["tier"]) for e in _of(run, "restore")] == [(10, "durable")]
+    assert not (run / "faults_fired.json").read_text() == "[]"
+    _same_as(run, ref)
+
+
+# --- the node-local tier ------------------------------------------------------------------------------
+
+def _sealed_local(run: Path, local: Path) -> list[int]:
+    d = rundir.local_root(str(local), run) / "process_0"
+    return sorted(int(p.name) for p in d.glob("[0-9]*") if manifest.sealed(p)) if d.is_dir() else []
+
+
+def _kill_after_local_save(run: Path, local: Path, overrides: list[str], step: int, durable: int) -> None:
+    """Run unsupervised until the local checkpoint of `step` (and the durable one of `durable`, which may
+    still be writing: the durable tier is the slower one) is sealed, then SIGKILL the worker at once."""
+    with open(run.parent / f"{run.name}.log", "w") as log:
+        proc = subprocess.Popen(trainer_cmd(run, *overrides, worker=True), cwd=ROOT, env=child_env(),
+                                stdout=log, stderr=log)
+    deadline = time.time() + 300
+    while step not in _sealed_local(run, local) or not manifest.sealed(run / "checkpoints" / str(durable)):
+        assert proc.poll() is None and time.time() < deadline, (run.parent / f"{run.name}.log").read_text()[-3000:]
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def test_the_local_tier_resumes_at_the_local_save_and_the_durable_tier_when_it_is_lost(tmp_path, reference_run):
+    ref = reference_run()
+    local = tmp_path / "local"
+    # Local saves every 6 steps, durable every 10; steps 12-17 slowed so that step 12's local save is the
+    # newest checkpoint when the kill lands (18's comes 6 s later).
+    over = [f"checkpoint.local_dir={local}", "checkpoint.local_every_steps=6",
+            "faults=[{kind: slow, step: 12, seconds: 1.0, count: 6}]"]
+    for wipe, want in ((False, (12, "local")), (True, (10, "durable"))):
+        run = tmp_path / ("wiped" if wipe else "kept")
+        _kill_after_local_save(run, local, over, 12, 10)
+        assert _sealed_local(run, local)[-1] == 12
+        if wipe:  # the node is lost: its replacement has an empty local disk
+            shutil.rmtree(rundir.local_root(str(local), run))
+        run_trainer(run, *over, worker=True)
+        assert [(e["step"], e["tier"]) for e in _of(run, "restore")] == [want]
+        assert not _of(run, "checkpoint_rejected")
+        _same_as(run, ref, unlogged=(12,) if not wipe else ())
+    saved = {e["tier"] for e in _of(run, "checkpoint_saved")}
+    assert saved == {"local", "durable"}
+
+
+# --- storage faults -----------------------------------------------------------------------------------
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A 32 MB tmpfs: a disk that fills up for real."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
+    out = subprocess.run([*sudo, "mount", "-t", "tmpfs", "-o", "size=32M", "tmpfs", str(mnt)], capture_output=True,
+                         text=True)
+    if out.returncode:
+        why = f"cannot mount a tmpfs to fill up ({out.stderr.strip()}): needs root or passwordless sudo"
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    yield mnt
+    subprocess.run([*sudo, "umount", "-l", str(mnt)], check=True)
+
+
+def _fill(mnt: Path, leave_mb: float) -> Path:
+    st = os.statvfs(mnt)
+    filler = mnt / "filler"
+    with open(filler, "wb") as fh:
+        fh.write(b"\0" * int(st.f_bavail * st.f_frsize - leave_mb * 2**20))
+    return filler
+
+
+def test_events_and_tensorboard_survive_a_full_disk(tmpfs, capfd):
+    from trainer.observe.events import EventLog
+    from trainer.observe.tensorboard import Writer
+
+    log, tb = EventLog(tmpfs / "events.jsonl"), Writer(tmpfs / "tb")
+    filler = _fill(tmpfs, 0)
+    for i in range(200):  # neither raises nor blocks (tensorboardX's queue would stall once its thread died)
+        log.write("step", step=i, loss=1.0, pad="x" * 100)
+        tb.add(i, {"loss/train": 1.0})
+    tb._w.flush()
+    filler.unlink()
+    log.write("step", step=999, loss=2.0)
+    tb.add(999, {"loss/train": 2.0})
+    tb.close()
+    log.close()
+    err = capfd.readouterr().err
+    assert err.count("no space left on the device") == 2, err  # one warning each, not one per write
+    lines = (tmpfs / "events.jsonl").read_text().splitlines()
+    assert all(json.loads(x) for x in lines) and json.loads(lines[-1])["step"] == 999  # whole lines only
+
+
+def test_a_full_disk_stops_the_run_clearly_and_the_same_command_resumes(tmpfs, reference_run):
+    ref = reference_run()
+    run = tmpfs / "run"
+    filler = _fill(tmpfs, 5)  # a micro checkpoint is ~1.8 MB: two fit, the third fills the disk mid-write
+    t0 = time.time()
+    proc = run_trainer(run, "checkpoint.every_steps=5", check=False, timeout=300)
+    assert proc.returncode == exit_codes.STORAGE, proc.stderr[-3000:]
+    assert time.time() - t0 < 240  # stopped at once: no restarts into a full disk
+    assert "the disk is full" in proc.stderr and "rerun the same command" in proc.stderr
+    assert "giving up (checkpoint storage failed)" in proc.stderr
+    kept = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept and all(manifest.verify(run / "checkpoints" / str(s)) is None for s in kept)  # intact
+    filler.unlink()
+    run_trainer(run, "checkpoint.every_steps=5")  # the same command, with space
+    assert [e["step"] for e in _of(run, "restore")][-1] == kept[-1]
+    _same_as(run, ref)
+
+
+# --- several processes: every process verifies its share, all agree before anything moves -----------------
+
+@pytest.mark.slow
+def test_two_processes_agree_on_a_bad_shard_and_on_the_newest_local_step_they_all_hold(tmp_path_factory):
+    from multihost import TWO, group_overrides, reference
+
+    ref, corpus = reference(tmp_path_factory.mktemp("multihost"))
+    run, local = tmp_path_factory.mktemp("agree") / "run", tmp_path_factory.mktemp("local")
+    over = group_overrides(corpus, *TWO, f"checkpoint.local_dir={local}", "checkpoint.local_every_steps=4")
+    run_trainer(run, *over, "train.stop_at_step=20")  # durable 10, 20; local 8, 12, 16 on each process (keep 3)
+    roots = [rundir.local_root(str(local), run) / f"process_{i}" for i in (0, 1)]
+    assert [sorted(int(p.name) for p in r.glob("[0-9]*")) for r in roots] == [[8, 12, 16], [8, 12, 16]]
+    shard = _largest(run / "checkpoints" / "20" / "state" / "ocdbt.process_1")  # only process 1 reads it
+    shard.write_bytes(shard.read_bytes()[:-64] + bytes(64))
+    shutil.rmtree(roots[1] / "16")  # process 1 lost its newest local checkpoint: 12 is the newest both hold
+    run_trainer(run, *over)
+    (rejected,) = _of(run, "checkpoint_rejected")
+    assert (rejected["step"], rejected["process"]) == (20, 1) and "ocdbt.process_1" in rejected["file"], rejected
+    assert [(e["step"], e["tier"]) for e in _of(run, "restore")] == [(12, "local")]
+    assert summary(run)["params_sha256"] == summary(ref)["params_sha256"]
+
+
+# --- kills inside async saves ---------------------------------------------------------------------------
+
+def _hb(run: Path) -> dict | None:
+    try:
+        return json.loads((run / "heartbeat" / "worker-0.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tiers", ["durable", "durable+local"])
+def test_twenty_kills_inside_async_saves_never_break_a_restore(tmp_path, reference_run, tiers):
+    """3 crash_mid_save faults plus 17 SIGKILLs from outside, each a random 0-300 ms after the worker enters
+    a save (device-to-host copy, background write, commit or sealing), at a new step each time."""
+    ref = reference_run("train.steps=80")
+    run = tmp_path / "run"
+    over = ["train.steps=80", "supervisor.max_restarts=40", "faults=[{kind: crash_mid_save, step: 9}, "
+            "{kind: crash_mid_save, step: 33}, {kind: crash_mid_save, step: 57}]"]
+    if tiers == "durable":
+        over += ["checkpoint.every_steps=3"]
+    else:  # durable every 5, local every 2 (the newest checkpoint is a local one at most steps)
+        over += ["checkpoint.every_steps=5", f"checkpoint.local_dir={tmp_path / 'local'}",
+                 "checkpoint.local_every_steps=2"]
+    rng = __import__("random").Random(14)
+    with open(tmp_path / "supervisor.log", "w") as log:
+        sup = subprocess.Popen(trainer_cmd(run, *over), cwd=ROOT, env=child_env(), stdout=log, stderr=log)
+    kills, last = 0, 0
+    while kills < 17 and sup.poll() is None:
+        hb = _hb(run)
+        if hb and hb["phase"] == "checkpoint" and hb["step"] > last and hb["step"] < 78:
+            time.sleep(rng.uniform(0, 0.3))
+            os.kill(hb["pid"], signal.SIGKILL)
+            kills, last = kills + 1, hb["step"]
+        time.sleep(0.01)
+    assert sup.wait(timeout=1200) == 0, (tmp_path / "supervisor.log").read_text()[-3000:]
+    evs = events(run)
+    exits = [e for e in evs if e["event"] == "worker_exit"]
+    crashes = sum(e.get("exit_code") == 13 for e in exits)
+    assert kills == 17 and crashes == 3 and sum(e.get("signal") == "SIGKILL" for e in exits) == 17, exits
+    starts = [e for e in evs if e["event"] in ("restore", "init")]
+    assert len(starts) == len(exits) == 21  # every attempt got past its restore
+    rejected = [e for e in evs if e["event"] == "checkpoint_rejected"]
+    broken = [e for e in rejected if not e["reason"].startswith("unverified")]  # a kill may only cut a seal short
+    assert not broken, broken
+    _same_as(run, ref, unlogged=tuple(e["step"] for e in starts))
+    tally = {t: sum(e.get("tier") == t for e in starts) for t in ("local", "durable")}
+    print(f"{tiers}: 20 kills inside saves ({kills} SIGKILL + {crashes} crash_mid_save), restores {tally}, "
+          f"init {sum(e['event'] == 'init' for e in starts)}, unsealed checkpoints set aside {len(rejected)}, "
+          f"broken restores {len(broken)}, final params_sha256 {summary(run)['params_sha256'][:16]} == reference")
