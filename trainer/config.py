@@ -53,14 +53,24 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = ""  # text file or directory; "" = embedded default corpus (Python stdlib source)
-    cache_dir: str = "~/.cache/trainer/data"  # where prepared token files live
+    path: str = ""  # prepared DIR, or raw text (file, directory, .jsonl, .parquet); "" = embedded stdlib corpus
+    cache_dir: str = "~/.cache/trainer/data"  # where raw text paths are prepared once (content-keyed)
+    tokenizer: str = "bytes"  # raw text only: bytes | bpe:N | path to a tokenizer.json | tiktoken:NAME
+    text_field: str = "text"  # raw text only: the field of .jsonl records / column of .parquet files
+    val_fraction: float = 0.02  # raw text only: share of whole documents held out for eval (fixed rule)
+    prepare_workers: int = 1  # raw text only: tokenizer processes when preparing (output does not depend on it)
     batch_size: int = 16  # global batch, in sequences
     shuffle: bool = True  # False = sequential window order (debugging)
     read_threads: int = 2
     prefetch: int = 4
     default_corpus_mb: float = 4.0  # size cap of the embedded default corpus
     audit: bool = False  # record the global sample ids of every step (data audit)
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 0  # held-out loss every N steps (0 = off); never changes training
+    batches: int = 8  # global batches of fixed validation windows per eval
 
 
 @dataclass
@@ -105,8 +115,8 @@ class LogConfig:
 
 @dataclass
 class Fault:
-    kind: str  # crash | hang | crash_mid_save | slow | signal | ecc | nan | spike
-    step: int
+    kind: str  # crash | hang | crash_mid_save | slow | signal | ecc | nan | spike | startup
+    step: int  # startup: ignored (it fires while the worker starts, before any step)
     seconds: float = 0.0  # slow: extra seconds per step
     count: int = 1  # slow: how many steps; ecc: simulated ECC errors added per step from `step` on
     signal: str = "SIGKILL"  # signal: which one the worker sends itself
@@ -175,6 +185,7 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -288,10 +299,11 @@ def _positive(cfg: Config, *keys: str, allow_zero: bool = False) -> None:
 def validate(cfg: Config) -> None:
     _positive(cfg, "model.vocab_size", "model.seq_len", "model.d_model", "model.n_layers",
               "model.n_heads", "data.batch_size", "train.steps", "optim.lr", "optim.clip_norm",
-              "log.every_steps", "data.read_threads", "data.default_corpus_mb")
+              "log.every_steps", "data.read_threads", "data.default_corpus_mb", "data.prepare_workers",
+              "eval.batches")
     _positive(cfg, "model.d_ff", "optim.warmup_steps", "train.stop_at_step", "checkpoint.every_steps",
               "checkpoint.keep_every", "checkpoint.auto_devices", "mesh.cpu_devices",
-              "log.peak_flops", "data.prefetch", "supervisor.max_restarts", allow_zero=True)
+              "log.peak_flops", "data.prefetch", "supervisor.max_restarts", "eval.every_steps", allow_zero=True)
     _positive(cfg, "checkpoint.keep_latest", "mesh.fsdp", "mesh.tensor",
               "supervisor.crash_loop_restarts", "supervisor.step_timeout_s", "supervisor.poll_s",
               "log.health_every_s", "alerts.grad_window", "alerts.grad_rise", "alerts.throughput_window",
@@ -302,6 +314,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"alerts.overdue_fraction must be in (0, 1), got {cfg.alerts.overdue_fraction}")
     if cfg.alerts.grad_rise <= 1.0:
         raise ConfigError(f"alerts.grad_rise must be > 1 (a growth factor), got {cfg.alerts.grad_rise}")
+    if not 0.0 <= cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction must be in [0, 1), got {cfg.data.val_fraction}")
     if cfg.mesh.data == 0 or cfg.mesh.data < -1:
         raise ConfigError(f"mesh.data must be > 0 or -1 (fill), got {cfg.mesh.data}")
     _validate_interval(cfg)

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from trainer.config import Config, ConfigError, dump_yaml, to_dict
 from trainer.core import checkpoint, data, optim
@@ -47,6 +49,7 @@ class Worker:
     skips: list[int]  # data batches the runbook skips (runbook.json)
     hyperparams: dict[str, float]  # the runbook's lr_scale, clip_norm, b2 (runbook.json)
     n_params: int
+    eval_windows: np.ndarray | None  # this process's rows of the fixed eval batches (None: eval off)
     # Observers of each step's metrics: objects with on_step(step, rec) -> action dict | None.
     monitors: list = dataclasses.field(default_factory=list)
 
@@ -86,11 +89,13 @@ def check_resume(saved: dict, cfg: Config, fingerprint: str) -> list[str]:
     return changes
 
 
-def validate_shapes(cfg: Config, mesh_shape: tuple[int, int, int], processes: int) -> None:
+def validate_shapes(cfg: Config, mesh_shape: tuple[int, int, int], processes: int, corpus: data.Corpus) -> None:
     data_par, _, tensor = mesh_shape
-    if cfg.model.vocab_size < data.TOKENIZER_VOCAB:
+    if cfg.model.vocab_size < corpus.vocab_size:
         raise ConfigError(
-            f"model.vocab_size ({cfg.model.vocab_size}) must be >= {data.TOKENIZER_VOCAB} (byte tokenizer)")
+            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's vocabulary "
+            f"({corpus.vocab_size}, {corpus.meta['tokenizer']} in {corpus.dir}); set model.vocab_size >= "
+            f"{corpus.vocab_size}")
     for key, v in (("model.vocab_size", cfg.model.vocab_size), ("model.n_heads", cfg.model.n_heads),
                    ("model.d_ff", cfg.model.d_ff or 4 * cfg.model.d_model)):
         if v % tensor:
@@ -122,9 +127,14 @@ def _read_saved_meta(ckpt_dir: Path, cfg: Config) -> dict | None:
 def setup(cfg: Config) -> Worker:
     """Validate everything that can be wrong before the first write to the run dir, then build."""
     run_dir = Path(cfg.run.dir)
-    corpus = data.prepare(cfg.data)
+    t_data = time.perf_counter()
+    corpus = data.prepare(cfg.data, process=jax.process_index(), processes=jax.process_count())
     shape = mesh_lib.mesh_shape(cfg.mesh, jax.device_count())
-    validate_shapes(cfg, shape, jax.process_count())
+    validate_shapes(cfg, shape, jax.process_count(), corpus)
+    eval_windows = None if not cfg.eval.every_steps else data.eval_windows(
+        corpus, seq_len=cfg.model.seq_len, global_batch=cfg.data.batch_size, batches=cfg.eval.batches,
+        process=jax.process_index(), processes=jax.process_count())
+    data_s = time.perf_counter() - t_data
     ckpt_dir = run_dir / rundir.CHECKPOINTS
     saved = _read_saved_meta(ckpt_dir, cfg)
     changes = check_resume(saved, cfg, corpus.fingerprint) if saved else []
@@ -133,6 +143,9 @@ def setup(cfg: Config) -> Worker:
     run_dir.mkdir(parents=True, exist_ok=True)
     setup_compile_cache(cfg.run.compile_cache)
     events = EventLog(run_dir / rundir.EVENTS, enabled=primary)
+    events.write("data_ready", seconds=data_s, dir=str(corpus.dir), source=corpus.source,
+                 tokenizer=corpus.meta["tokenizer"], vocab_size=corpus.vocab_size, n_tokens=corpus.n_tokens,
+                 n_val_tokens=corpus.n_val_tokens, fingerprint=corpus.fingerprint)
     rb = runbook.RunbookState.load(run_dir, cfg.optim)
     if primary:  # as trained: with the runbook's softened LR, clip and b2, if it softened them
         rundir.atomic_write(run_dir / rundir.CONFIG, dump_yaml(runbook.softened_config(cfg, rb)))
@@ -144,15 +157,17 @@ def setup(cfg: Config) -> Worker:
     scalars = Writer(run_dir / rundir.TENSORBOARD, enabled=primary and cfg.log.tensorboard)
     if primary and not saved:
         scalars.text("config", "```\n" + dump_yaml(cfg) + "\n```")
-        scalars.hparams(to_dict(cfg), metric_tags=("loss/train", "throughput/tokens_per_s", "throughput/mfu"))
+        scalars.hparams(to_dict(cfg), metric_tags=("loss/train", "loss/eval", "throughput/tokens_per_s",
+                                                   "throughput/mfu"))
     pins = lambda steps: runbook.retention_pins(  # noqa: E731
         steps, window=cfg.runbook.window if cfg.runbook.enabled else None, pinned=rb.pinned)
     faults = FaultInjector(cfg.faults, run_dir, enabled=primary)
+    faults.at_startup()
     w = Worker(
         cfg=cfg, run_dir=run_dir, primary=primary, corpus=corpus, mesh=mesh, spec=spec,
         ckpt=checkpoint.Checkpointer(ckpt_dir, cfg.checkpoint, pinned=pins), events=events, scalars=scalars,
         heartbeat=Heartbeat(run_dir, jax.process_index()), faults=faults, skips=rb.skips,
-        hyperparams=rb.hyperparams(), n_params=state_lib.param_count(spec.abstract),
+        hyperparams=rb.hyperparams(), n_params=state_lib.param_count(spec.abstract), eval_windows=eval_windows,
     )
     # Dashboard: grad-norm trend, throughput drop, hardware health (ECC rising -> checkpoint now), markers.
     w.monitors.extend(alerts.build(cfg, run_dir=run_dir, events=events, scalars=scalars, faults=faults))
