@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import sys
 import time
 from pathlib import Path
 
@@ -135,6 +136,9 @@ def setup(cfg: Config) -> Worker:
         corpus, seq_len=cfg.model.seq_len, global_batch=cfg.data.batch_size, batches=cfg.eval.batches,
         process=jax.process_index(), processes=jax.process_count())
     data_s = time.perf_counter() - t_data
+    # Every process says what it reads: a group whose processes disagree shows it in the worker log.
+    print(f"data: fingerprint {corpus.fingerprint[:16]} ({corpus.meta['tokenizer']}, {corpus.n_tokens:,} train + "
+          f"{corpus.n_val_tokens:,} val tokens in {corpus.dir}; {data_s:.2f}s)", file=sys.stderr, flush=True)
     ckpt_dir = run_dir / rundir.CHECKPOINTS
     saved = _read_saved_meta(ckpt_dir, cfg)
     changes = check_resume(saved, cfg, corpus.fingerprint) if saved else []

@@ -94,7 +94,8 @@ def plot_loss(v: status.RunView, plt, out: Path) -> None:
     _series(ax, attempts, "loss", label="train loss", colour="tab:blue")
     if evals := status.latest_evals(v.events):
         xs = sorted(evals)
-        ax.plot(xs, [evals[k]["loss"] for k in xs], "o-", color="tab:orange", lw=1.5, ms=4, label="eval loss (held out)")
+        ax.plot(xs, [evals[k]["loss"] for k in xs], "o-", color="tab:orange", lw=1.5, ms=4,
+                label="eval loss (held out)")
     _markers(ax, v.events)
     ax.set_ylabel("loss")
     ax.set_title(f"Loss ({len(attempts)} attempt{'s' if len(attempts) != 1 else ''}; dashed = a later attempt)")

@@ -1,0 +1,73 @@
+"""Training on prepared data with the held-out eval: eval on or off trains the same bytes, the eval loss
+falls, a killed run resumes bitwise, imported token files train, and a model whose vocabulary is smaller
+than the tokenizer's is refused before anything is written."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from conftest import events, run_trainer, step_losses, summary
+from corpora import code_jsonl, prepared
+
+EVAL = ["eval.every_steps=10", "eval.batches=2"]
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    d = tmp_path_factory.mktemp("eval")
+    return prepared(d / "bpe", "--input", code_jsonl(d / "code.jsonl", 0.6), "--tokenizer", "bpe:512",
+                    "--val-fraction", "0.1")
+
+
+@pytest.fixture(scope="module")
+def with_eval(tmp_path_factory, bpe):
+    run = tmp_path_factory.mktemp("with-eval") / "run"
+    run_trainer(run, f"data.path={bpe}", "model.vocab_size=512", *EVAL, worker=True)
+    return run
+
+
+def _evals(run) -> dict[int, dict]:
+    return {e["step"]: e for e in events(run) if e["event"] == "eval"}
+
+
+def test_eval_never_changes_training_and_its_loss_falls(tmp_path, bpe, with_eval):
+    run_trainer(tmp_path / "off", f"data.path={bpe}", "model.vocab_size=512", "eval.every_steps=0", worker=True)
+    assert summary(with_eval)["params_sha256"] == summary(tmp_path / "off")["params_sha256"]
+    assert step_losses(with_eval) == step_losses(tmp_path / "off")  # bitwise, every step
+    ev = _evals(with_eval)
+    assert sorted(ev) == [10, 20, 30] and not _evals(tmp_path / "off")
+    assert ev[10]["loss"] > ev[20]["loss"] > ev[30]["loss"] and ev[30]["batches"] == 2
+    assert math.isclose(ev[30]["perplexity"], math.exp(ev[30]["loss"]), rel_tol=1e-9)
+    ready = next(e for e in events(with_eval) if e["event"] == "data_ready")
+    assert (ready["tokenizer"], ready["vocab_size"], ready["dir"]) == ("bpe:512", 512, str(bpe))
+    from test_dashboard import _tensorboard
+
+    tb = _tensorboard(with_eval / "tb")
+    assert [s.step for s in tb.Scalars("loss/eval")] == [10, 20, 30]
+
+
+def test_a_killed_run_on_prepared_data_resumes_bitwise(tmp_path, bpe, with_eval):
+    run = tmp_path / "run"
+    run_trainer(run, f"data.path={bpe}", "model.vocab_size=512", *EVAL, "faults=[{kind: crash, step: 17}]")
+    assert summary(run)["restarts"] == 1 and [e["step"] for e in events(run) if e["event"] == "restore"] == [10]
+    assert summary(run)["params_sha256"] == summary(with_eval)["params_sha256"]
+    assert all(set(v) == set(step_losses(with_eval)[k]) for k, v in step_losses(run).items())
+    assert {k: e["loss"] for k, e in _evals(run).items()} == {k: e["loss"] for k, e in _evals(with_eval).items()}
+
+
+def test_an_imported_token_file_trains_and_a_small_vocab_is_refused(tmp_path, bpe):
+    train = np.fromfile(bpe / "train-00000.bin", dtype=np.uint16)
+    train.tofile(tmp_path / "tokens.bin")  # a flat uint16 file, as nanoGPT's prepare scripts write
+    imported = prepared(tmp_path / "imported", "--from-tokens", tmp_path / "tokens.bin", "--dtype", "uint16",
+                        "--vocab-size", "512")
+    run_trainer(tmp_path / "run", f"data.path={imported}", "model.vocab_size=512", "train.steps=5",
+                "checkpoint.every_steps=0", worker=True)
+    assert summary(tmp_path / "run")["final_step"] == 5
+
+    small = run_trainer(tmp_path / "small", f"data.path={bpe}", "model.vocab_size=384", check=False)
+    assert small.returncode == 2 and not (tmp_path / "small").exists()
+    assert "model.vocab_size (384) is smaller than the tokenizer's vocabulary (512, bpe:512" in small.stderr
+    no_val = run_trainer(tmp_path / "noval", f"data.path={imported}", "model.vocab_size=512", *EVAL, check=False)
+    assert no_val.returncode == 2 and "holds out 0" in no_val.stderr and not (tmp_path / "noval").exists()
