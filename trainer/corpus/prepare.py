@@ -61,24 +61,23 @@ class _Progress:
 # --- encoding, in this process or in workers -------------------------------------------------------
 
 _ENCODE = None
-_EOS = 0
+_EOS = np.zeros(1, np.uint32)  # the end-of-text id, as an array of the output dtype
 
 
 def _init_worker(tok: Tok) -> None:
     global _ENCODE, _EOS
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process: --workers is the knob
-    _ENCODE, _EOS = tok.encoder(), tok.eos_id
+    _ENCODE, _EOS = tok.encoder(), np.array([tok.eos_id], shards.dtype_for(tok.vocab_size))
 
 
 def _encode_chunk(chunk: list[tuple[str | bytes, bool]]) -> tuple[np.ndarray, np.ndarray, int]:
     """(train tokens, val tokens, input bytes) of a chunk of (document, held out) pairs."""
     parts = {False: [], True: []}
     n_bytes = 0
-    eos = np.array([_EOS], np.uint32)
     for doc, val in chunk:
         n_bytes += len(doc.encode()) if isinstance(doc, str) else len(doc)
-        parts[val] += [_ENCODE(doc).astype(np.uint32, copy=False), eos]
-    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.uint32)  # noqa: E731
+        parts[val] += [_ENCODE(doc).astype(_EOS.dtype, copy=False), _EOS]
+    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, _EOS.dtype)  # noqa: E731
     return cat(parts[False]), cat(parts[True]), n_bytes
 
 
