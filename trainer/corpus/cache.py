@@ -65,6 +65,8 @@ def _prepare_locked(plan: prepare.Plan, dest: Path) -> None:
     try:
         if shards.is_prepared(dest):  # another job prepared it while we waited for the lock
             return
+        for orphan in dest.parent.glob(f"{dest.name}.tmp-*"):  # left by a holder that died: the lock is ours now
+            shutil.rmtree(orphan, ignore_errors=True)
         tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         print(f"data: preparing {plan.source.name} ({plan.spec}) once into {dest}", file=sys.stderr, flush=True)
         try:

@@ -123,7 +123,12 @@ class Prepared:
 
 
 def is_prepared(path: Path) -> bool:
-    return path.is_dir() and (path / META).is_file()
+    """A complete prepared DIR (its meta.json, written last, names our format); a text directory that
+    happens to hold some other meta.json is raw text."""
+    try:
+        return json.loads((path / META).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def read(path: Path) -> Prepared:
