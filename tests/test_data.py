@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ROOT, child_env
 
 from trainer.config import ConfigError, DataConfig
 from trainer.core.data import TokenWindows, batch_index, eval_windows, make_iterator, prepare
@@ -113,23 +116,29 @@ def test_eval_windows_are_fixed_spread_over_the_split_and_sharded_like_training(
         eval_windows(c, seq_len=32, global_batch=8, batches=12, process=0, processes=1)
 
 
-def _ensure(args) -> tuple[str, str]:
-    from trainer.corpus import cache
-
-    path, cache_dir, process = args
-    c = cache.ensure(DataConfig(path=path, cache_dir=cache_dir, tokenizer="bpe:300"), process=process, processes=2)
-    return str(c.dir), c.fingerprint
+ENSURE = """
+import sys
+from trainer.config import DataConfig
+from trainer.corpus import cache
+c = cache.ensure(DataConfig(path=sys.argv[1], cache_dir=sys.argv[2], tokenizer="bpe:300"), process=int(sys.argv[3]),
+                 processes=2)
+print(c.dir, c.fingerprint)
+"""
 
 
 def test_a_raw_path_is_prepared_once_by_process_0_while_the_other_waits(tmp_path):
-    """Two real processes start together on a cold cache: one preparation, one directory, one fingerprint."""
-    import multiprocessing
-
+    """Two real processes start together on a cold cache: process 0 prepares, process 1 waits for it; one
+    directory, one fingerprint."""
     rng = np.random.default_rng(2)
     words = np.array("def class return import self data token shard".split())
     (tmp_path / "a.txt").write_text(" ".join(rng.choice(words, 60_000)))
     cache_dir = tmp_path / "cache"
-    with multiprocessing.get_context("spawn").Pool(2) as pool:
-        got = pool.map(_ensure, [(str(tmp_path / "a.txt"), str(cache_dir), p) for p in (1, 0)], chunksize=1)
-    assert got[0] == got[1]
-    assert sorted(p.name for p in cache_dir.iterdir()) == sorted([Path(got[0][0]).name, Path(got[0][0]).name + ".lock"])
+    procs = [subprocess.Popen([sys.executable, "-c", ENSURE, str(tmp_path / "a.txt"), str(cache_dir), str(p)],
+                              cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for p in (1, 0)]  # the waiter first
+    (out1, err1), (out0, err0) = (p.communicate(timeout=120) for p in procs)
+    assert [p.returncode for p in procs] == [0, 0], err0 + err1
+    assert "data: preparing" in err0 and "data: preparing" not in err1
+    assert out0 == out1
+    entry = Path(out0.split()[0])
+    assert sorted(p.name for p in cache_dir.iterdir()) == [entry.name, entry.name + ".lock"]
