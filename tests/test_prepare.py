@@ -17,7 +17,7 @@ from trainer.corpus import shards, sources
 
 @pytest.fixture(scope="module")
 def jsonl(tmp_path_factory):
-    return code_jsonl(tmp_path_factory.mktemp("jsonl") / "code.jsonl", 0.6)
+    return code_jsonl(tmp_path_factory.mktemp("jsonl") / "code.jsonl", 1.6)  # > 2 x 2 workers' chunks in flight
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,8 @@ def test_bpe_meta_shards_and_whole_documents_held_out(bpe, jsonl):
 
     tok = Tokenizer.from_file(str(bpe / "tokenizer.json"))
     docs = [json.loads(line)["text"] for line in jsonl.read_text().splitlines()]
-    held = [d for i, d in enumerate(docs) if sources.is_val(i, Fraction(1, 10))]
+    held = docs[9::10]  # F = 1/10: documents 9, 19, 29, ...
+    assert [i for i in range(len(docs)) if sources.is_val(i, Fraction(1, 10))] == list(range(9, len(docs), 10))
     val = _tokens(bpe, "val")
     ends = np.flatnonzero(val == m["eos_id"])
     assert len(ends) == len(held) == round(len(docs) * 0.1) and ends[-1] == val.size - 1
