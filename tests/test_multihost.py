@@ -266,10 +266,10 @@ def test_a_config_exit_of_one_process_takes_the_group_down_at_once(tmp_path):
     assert time.time() - t0 < 3 and g.describe_exit()["torn_down"] == [0, 2]
 
 
-def test_a_worker_failing_at_start_up_is_torn_down_and_restarted_in_seconds(tmp_path, ref):
+def test_a_worker_failing_at_start_up_is_torn_down_and_restarted_in_seconds(tmp_path):
     """Process 0 raises while starting (its peer then waits for it in a collective): it must exit at once,
     not hang in jax's distributed shutdown, and the launcher must kill the peer within a poll."""
-    _, corpus = ref
+    corpus = small_corpus(tmp_path / "corpus")
     run = tmp_path / "run"
     run_trainer(run, *group_overrides(corpus, *TWO, "train.steps=5", "checkpoint.every_steps=0",
                                       "faults=[{kind: startup, step: 0}]"))
