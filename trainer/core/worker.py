@@ -125,20 +125,27 @@ def _read_saved_meta(ckpt_dir: Path, cfg: Config) -> dict | None:
     return reader.read_meta(steps[-1]) if steps else None
 
 
+def _load_data(cfg: Config) -> tuple[data.Corpus, np.ndarray | None, float]:
+    """The prepared data (a raw path is prepared once per group), this process's eval windows (None: eval
+    off) and the seconds it took. Every process logs the fingerprint it reads: a group whose processes
+    disagree shows it in the worker log."""
+    t0 = time.perf_counter()
+    corpus = data.prepare(cfg.data, process=jax.process_index(), processes=jax.process_count())
+    windows = None if not cfg.eval.every_steps else data.eval_windows(
+        corpus, seq_len=cfg.model.seq_len, global_batch=cfg.data.batch_size, batches=cfg.eval.batches,
+        process=jax.process_index(), processes=jax.process_count())
+    seconds = time.perf_counter() - t0
+    print(f"data: fingerprint {corpus.fingerprint[:16]} ({corpus.meta['tokenizer']}, {corpus.n_tokens:,} train + "
+          f"{corpus.n_val_tokens:,} val tokens in {corpus.dir}; {seconds:.2f}s)", file=sys.stderr, flush=True)
+    return corpus, windows, seconds
+
+
 def setup(cfg: Config) -> Worker:
     """Validate everything that can be wrong before the first write to the run dir, then build."""
     run_dir = Path(cfg.run.dir)
-    t_data = time.perf_counter()
-    corpus = data.prepare(cfg.data, process=jax.process_index(), processes=jax.process_count())
+    corpus, eval_windows, data_s = _load_data(cfg)
     shape = mesh_lib.mesh_shape(cfg.mesh, jax.device_count())
     validate_shapes(cfg, shape, jax.process_count(), corpus)
-    eval_windows = None if not cfg.eval.every_steps else data.eval_windows(
-        corpus, seq_len=cfg.model.seq_len, global_batch=cfg.data.batch_size, batches=cfg.eval.batches,
-        process=jax.process_index(), processes=jax.process_count())
-    data_s = time.perf_counter() - t_data
-    # Every process says what it reads: a group whose processes disagree shows it in the worker log.
-    print(f"data: fingerprint {corpus.fingerprint[:16]} ({corpus.meta['tokenizer']}, {corpus.n_tokens:,} train + "
-          f"{corpus.n_val_tokens:,} val tokens in {corpus.dir}; {data_s:.2f}s)", file=sys.stderr, flush=True)
     ckpt_dir = run_dir / rundir.CHECKPOINTS
     saved = _read_saved_meta(ckpt_dir, cfg)
     changes = check_resume(saved, cfg, corpus.fingerprint) if saved else []
