@@ -57,7 +57,11 @@ def test_a_killed_run_on_prepared_data_resumes_bitwise(tmp_path, bpe, with_eval)
     assert {k: e["loss"] for k, e in _evals(run).items()} == {k: e["loss"] for k, e in _evals(with_eval).items()}
 
 
-def test_an_imported_token_file_trains_and_a_small_vocab_is_refused(tmp_path, bpe):
+def _tree(d) -> dict:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_an_imported_token_file_trains_and_a_small_vocab_is_refused(tmp_path, bpe, with_eval):
     train = np.fromfile(bpe / "train-00000.bin", dtype=np.uint16)
     train.tofile(tmp_path / "tokens.bin")  # a flat uint16 file, as nanoGPT's prepare scripts write
     imported = prepared(tmp_path / "imported", "--from-tokens", tmp_path / "tokens.bin", "--dtype", "uint16",
@@ -65,6 +69,11 @@ def test_an_imported_token_file_trains_and_a_small_vocab_is_refused(tmp_path, bp
     run_trainer(tmp_path / "run", f"data.path={imported}", "model.vocab_size=512", "train.steps=5",
                 "checkpoint.every_steps=0", worker=True)
     assert summary(tmp_path / "run")["final_step"] == 5
+    # The checkpoint recorded the data's fingerprint (from meta.json): a resume on other data is refused.
+    before = _tree(with_eval)
+    other = run_trainer(with_eval, f"data.path={imported}", "model.vocab_size=512", "train.steps=40",
+                        check=False)
+    assert other.returncode == 2 and "the training data changed" in other.stderr and _tree(with_eval) == before
 
     small = run_trainer(tmp_path / "small", f"data.path={bpe}", "model.vocab_size=384", check=False)
     assert small.returncode == 2 and not (tmp_path / "small").exists()
