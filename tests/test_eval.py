@@ -12,6 +12,7 @@ from conftest import events, run_trainer, step_losses, summary
 from corpora import code_jsonl, prepared
 
 EVAL = ["eval.every_steps=10", "eval.batches=2"]
+DROPOUT = "model.dropout=0.1"  # the train step draws from the RNG: an eval that touched it would show
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def bpe(tmp_path_factory):
 @pytest.fixture(scope="module")
 def with_eval(tmp_path_factory, bpe):
     run = tmp_path_factory.mktemp("with-eval") / "run"
-    run_trainer(run, f"data.path={bpe}", "model.vocab_size=512", *EVAL, worker=True)
+    run_trainer(run, f"data.path={bpe}", "model.vocab_size=512", DROPOUT, *EVAL, worker=True)
     return run
 
 
@@ -33,7 +34,8 @@ def _evals(run) -> dict[int, dict]:
 
 
 def test_eval_never_changes_training_and_its_loss_falls(tmp_path, bpe, with_eval):
-    run_trainer(tmp_path / "off", f"data.path={bpe}", "model.vocab_size=512", "eval.every_steps=0", worker=True)
+    run_trainer(tmp_path / "off", f"data.path={bpe}", "model.vocab_size=512", DROPOUT, "eval.every_steps=0",
+                worker=True)
     assert summary(with_eval)["params_sha256"] == summary(tmp_path / "off")["params_sha256"]
     assert step_losses(with_eval) == step_losses(tmp_path / "off")  # bitwise, every step
     ev = _evals(with_eval)
@@ -50,8 +52,10 @@ def test_eval_never_changes_training_and_its_loss_falls(tmp_path, bpe, with_eval
 
 def test_a_killed_run_on_prepared_data_resumes_bitwise(tmp_path, bpe, with_eval):
     run = tmp_path / "run"
-    run_trainer(run, f"data.path={bpe}", "model.vocab_size=512", *EVAL, "faults=[{kind: crash, step: 17}]")
-    assert summary(run)["restarts"] == 1 and [e["step"] for e in events(run) if e["event"] == "restore"] == [10]
+    run_trainer(run, f"data.path={bpe}", "model.vocab_size=512", DROPOUT, *EVAL, "faults=[{kind: crash, step: 27}]")
+    # Saves are asynchronous: on a loaded machine the one at step 20 may not be committed by step 27.
+    restores = [e["step"] for e in events(run) if e["event"] == "restore"]
+    assert summary(run)["restarts"] == 1 and restores in ([20], [10]), restores
     assert summary(run)["params_sha256"] == summary(with_eval)["params_sha256"]
     assert all(set(v) == set(step_losses(with_eval)[k]) for k, v in step_losses(run).items())
     assert {k: e["loss"] for k, e in _evals(run).items()} == {k: e["loss"] for k, e in _evals(with_eval).items()}

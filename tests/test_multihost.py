@@ -271,8 +271,8 @@ def test_a_worker_failing_at_start_up_is_torn_down_and_restarted_in_seconds(tmp_
     not hang in jax's distributed shutdown, and the launcher must kill the peer within a poll."""
     corpus = small_corpus(tmp_path / "corpus")
     run = tmp_path / "run"
-    run_trainer(run, *group_overrides(corpus, *TWO, "train.steps=5", "checkpoint.every_steps=0",
-                                      "faults=[{kind: startup, step: 0}]"))
+    proc = run_trainer(run, *group_overrides(corpus, *TWO, "train.steps=5", "checkpoint.every_steps=0",
+                                             "faults=[{kind: startup, step: 0}]"))
     fired = (run / "faults_fired.json").stat().st_mtime
     evs = events(run)
     exit1 = next(e for e in evs if e["event"] == "worker_exit")
@@ -280,7 +280,7 @@ def test_a_worker_failing_at_start_up_is_torn_down_and_restarted_in_seconds(tmp_
     assert exit1["exit_code"] == 1 and exit1["exits"][0] == [0, 1] and exit1["torn_down"] == [1], exit1
     teardown_s, restart_s = exit1["time"] - fired, start2["time"] - fired
     assert teardown_s < 5 and restart_s < 6, (teardown_s, restart_s)
-    assert "InjectedStartupError" in (run / "logs" / "worker-1.log").read_text()
+    assert "0: trainer.supervise.faults.InjectedStartupError: injected fault" in proc.stderr
     assert summary(run)["final_step"] == 5 and summary(run)["restarts"] == 1
     print(f"start-up failure: group torn down {teardown_s:.2f}s and restarted {restart_s:.2f}s after the fault")
 
