@@ -1,5 +1,7 @@
-"""`python -m trainer prepare`: tokenize a corpus once into a prepared DIR (trainer.corpus.shards), in
-parallel worker processes, or import pre-tokenized flat files (nanoGPT's train.bin/val.bin) as they are.
+"""`python -m trainer prepare`: tokenize a corpus once into a prepared DIR, or import token files.
+
+Tokenizing runs in parallel worker processes; pre-tokenized flat files (nanoGPT's train.bin/val.bin) are
+imported as they are. The DIR's format: trainer.corpus.shards.
 
 The output does not depend on --workers: documents are cut into chunks by a fixed size, the chunks are
 encoded anywhere, and written in input order. No jax here.
