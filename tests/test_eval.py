@@ -79,7 +79,7 @@ def test_an_imported_token_file_trains_and_a_small_vocab_is_refused(tmp_path, bp
     assert summary(tmp_path / "run")["final_step"] == 5
     # The checkpoint recorded the data's fingerprint (from meta.json): a resume on other data is refused.
     before = _tree(with_eval)
-    other = run_trainer(with_eval, f"data.path={imported}", "model.vocab_size=512", "train.steps=40",
+    other = run_trainer(with_eval, f"data.path={imported}", "model.vocab_size=512", DROPOUT, "train.steps=40",
                         check=False)
     assert other.returncode == 2 and "the training data changed" in other.stderr and _tree(with_eval) == before
 
