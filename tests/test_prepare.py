@@ -118,7 +118,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, jsonl):
     assert "no text field 'content'" in _fails(tmp_path, "--input", jsonl, "--text-field", "content")
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "t.parquet")
     assert "no column 'text' (columns: body)" in _fails(tmp_path, "--input", tmp_path / "t.parquet")
-    assert "input not found" in _fails(tmp_path, "--input", tmp_path / "missing.txt")
+    assert "--input not found" in _fails(tmp_path, "--input", tmp_path / "missing.txt")
     (tmp_path / "odd.bin").write_bytes(b"abc")
     assert "not a whole number of uint16" in _fails(tmp_path, "--from-tokens", tmp_path / "odd.bin", "--dtype",
                                                     "uint16", "--vocab-size", "300")

@@ -127,17 +127,13 @@ def _read_saved_meta(ckpt_dir: Path, cfg: Config) -> dict | None:
 
 def _load_data(cfg: Config) -> tuple[data.Corpus, np.ndarray | None, float]:
     """The prepared data (a raw path is prepared once per group), this process's eval windows (None: eval
-    off) and the seconds it took. Every process logs the fingerprint it reads: a group whose processes
-    disagree shows it in the worker log."""
+    off) and the seconds it took."""
     t0 = time.perf_counter()
     corpus = data.prepare(cfg.data, process=jax.process_index(), processes=jax.process_count())
     windows = None if not cfg.eval.every_steps else data.eval_windows(
         corpus, seq_len=cfg.model.seq_len, global_batch=cfg.data.batch_size, batches=cfg.eval.batches,
         process=jax.process_index(), processes=jax.process_count())
-    seconds = time.perf_counter() - t0
-    print(f"data: fingerprint {corpus.fingerprint[:16]} ({corpus.meta['tokenizer']}, {corpus.n_tokens:,} train + "
-          f"{corpus.n_val_tokens:,} val tokens in {corpus.dir}; {seconds:.2f}s)", file=sys.stderr, flush=True)
-    return corpus, windows, seconds
+    return corpus, windows, time.perf_counter() - t0
 
 
 def setup(cfg: Config) -> Worker:
@@ -149,6 +145,9 @@ def setup(cfg: Config) -> Worker:
     ckpt_dir = run_dir / rundir.CHECKPOINTS
     saved = _read_saved_meta(ckpt_dir, cfg)
     changes = check_resume(saved, cfg, corpus.fingerprint) if saved else []
+    # Valid from here on. Every process logs the data it reads: processes that disagree show in the log.
+    print(f"data: fingerprint {corpus.fingerprint[:16]} ({corpus.meta['tokenizer']}, {corpus.n_tokens:,} train + "
+          f"{corpus.n_val_tokens:,} val tokens in {corpus.dir}; {data_s:.2f}s)", file=sys.stderr, flush=True)
 
     primary = jax.process_index() == 0
     run_dir.mkdir(parents=True, exist_ok=True)

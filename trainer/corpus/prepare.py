@@ -214,7 +214,7 @@ def _run(args) -> dict:
     if not args.input:
         raise ConfigError("pass --input PATH (text to tokenize) or --from-tokens FILE_OR_DIR")
     tokenizer.identity(args.tokenizer)  # a bad SPEC fails here, before anything is read
-    plan = Plan(sources.open_source(args.input, text_field=args.text_field, default_corpus_mb=0),
+    plan = Plan(sources.open_source(args.input, text_field=args.text_field, default_corpus_mb=0, key="--input"),
                 args.tokenizer, sources.val_fraction(args.val_fraction, "--val-fraction"), args.workers,
                 args.shard_tokens)
     return prepare(plan, out)

@@ -65,19 +65,19 @@ def val_fraction(value: float, key: str) -> Fraction:
     return Fraction(repr(value))  # exact: the rule must not depend on float rounding
 
 
-def open_source(path: str, *, text_field: str, default_corpus_mb: float) -> Source:
-    """The documents at `path` ("" = the embedded default corpus)."""
+def open_source(path: str, *, text_field: str, default_corpus_mb: float, key: str = "data.path") -> Source:
+    """The documents at `path` ("" = the embedded default corpus); `key` names the setting in errors."""
     if not path:
         return default_corpus(default_corpus_mb, text_field)
     src = Path(path).expanduser()
     if not src.exists():
-        raise ConfigError(f"input not found: {path} (point it at a text, .jsonl or .parquet file, or a directory)")
+        raise ConfigError(f"{key} not found: {path} (point it at a text, .jsonl or .parquet file, or a directory)")
     if src.is_file():
         return Source(str(src.resolve()), (src.resolve(),), text_field)
     suffixes = TEXT_SUFFIXES + RECORD_SUFFIXES
     files = tuple(sorted(p.resolve() for p in src.rglob("*") if p.is_file() and p.suffix in suffixes))
     if not files:
-        raise ConfigError(f"{path}: no {'/'.join(suffixes)} files inside")
+        raise ConfigError(f"{key} {path}: no {'/'.join(suffixes)} files inside")
     return Source(str(src.resolve()), files, text_field)
 
 
