@@ -120,8 +120,7 @@ ENSURE = """
 import sys
 from trainer.config import DataConfig
 from trainer.corpus import cache
-c = cache.ensure(DataConfig(path=sys.argv[1], cache_dir=sys.argv[2], tokenizer="bpe:300"), process=int(sys.argv[3]),
-                 processes=2)
+c = cache.ensure(DataConfig(path=sys.argv[1], cache_dir=sys.argv[2], tokenizer="bpe:300"), process=int(sys.argv[3]))
 print(c.dir, c.fingerprint)
 """
 

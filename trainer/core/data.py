@@ -21,9 +21,10 @@ from trainer.corpus.shards import Prepared
 Corpus = Prepared
 
 
-def prepare(cfg: DataConfig, *, process: int = 0, processes: int = 1) -> Prepared:
-    """data.path as prepared data: a prepared DIR as it is, raw text prepared once into the cache."""
-    return cache.ensure(cfg, process=process, processes=processes)
+def prepare(cfg: DataConfig, *, process: int = 0) -> Prepared:
+    """data.path as prepared data: a prepared DIR as it is, raw text prepared once into the cache (by
+    process 0 of a group; the others wait for it)."""
+    return cache.ensure(cfg, process=process)
 
 
 class TokenWindows(grain.sources.RandomAccessDataSource):

@@ -129,7 +129,7 @@ def _load_data(cfg: Config) -> tuple[data.Corpus, np.ndarray | None, float]:
     """The prepared data (a raw path is prepared once per group), this process's eval windows (None: eval
     off) and the seconds it took."""
     t0 = time.perf_counter()
-    corpus = data.prepare(cfg.data, process=jax.process_index(), processes=jax.process_count())
+    corpus = data.prepare(cfg.data, process=jax.process_index())
     windows = None if not cfg.eval.every_steps else data.eval_windows(
         corpus, seq_len=cfg.model.seq_len, global_batch=cfg.data.batch_size, batches=cfg.eval.batches,
         process=jax.process_index(), processes=jax.process_count())

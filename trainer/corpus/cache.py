@@ -31,7 +31,7 @@ def entry(cfg: DataConfig, src: sources.Source) -> Path:
     return Path(cfg.cache_dir).expanduser() / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def ensure(cfg: DataConfig, *, process: int = 0, processes: int = 1) -> shards.Prepared:
+def ensure(cfg: DataConfig, *, process: int = 0) -> shards.Prepared:
     """The prepared data for `cfg`: data.path itself when it is a prepared DIR, else its cache entry."""
     path = Path(cfg.path).expanduser() if cfg.path else None
     if path is not None and shards.is_prepared(path):
