@@ -60,7 +60,7 @@ def bpe_shards(work, quick: bool) -> tuple[str, dict]:
     if not shards.is_prepared(out):
         shutil.rmtree(out, ignore_errors=True)
         prepare.prepare(prepare.Plan(sources.default_corpus(mb), spec, sources.val_fraction(0.02, "v")), out,
-                        progress=False)
+                        progress="")
     meta = shards.read(out).meta
     return str(out), {k: meta[k] for k in ("tokenizer", "dtype", "n_tokens", "bytes_per_token")}
 

@@ -35,7 +35,7 @@ def bpe_speed(work: Path, mb: float) -> dict:
         d = work / f"bpe-w{workers}"
         shutil.rmtree(d, ignore_errors=True)
         t0 = time.perf_counter()
-        m = prepare.prepare(prepare.Plan(src, "bpe:1024", sources.val_fraction(0.02, "v"), workers), d, progress=False)
+        m = prepare.prepare(prepare.Plan(src, "bpe:1024", sources.val_fraction(0.02, "v"), workers), d, progress="")
         out[f"workers_{workers}"] = {"tokens_per_s": m["tokens_per_s"], "encode_s": m["encode_s"],
                                      "bpe_training_s": m["tokenizer_s"], "wall_s": time.perf_counter() - t0}
         out.update(bytes_per_token=m["bytes_per_token"], n_tokens=m["n_tokens"] + m["n_val_tokens"])

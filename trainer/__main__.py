@@ -6,24 +6,43 @@ jax-free until it runs a worker: the supervisor and every subcommand start witho
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 import traceback
 
 from trainer.config import Config, ConfigError, load_config
 
-SUBCOMMANDS = {
-    "prepare": "trainer.corpus.prepare",  # tokenize a corpus once into a prepared DIR (or import token files)
-    "survival": "trainer.survival.cli",  # run-survival simulator
-    "status": "trainer.observe.status",  # one-screen health summary of a running or finished run
-    "report": "trainer.observe.report",  # PNG plots + report.md of a run into RUN_DIR/report/
-    "audit": "trainer.observe.audit",  # prove exactly-once data consumption from a run dir
+SUBCOMMANDS = {  # name: (module, one line for --help)
+    "prepare": ("trainer.corpus.prepare", "tokenize a corpus once into a prepared DIR (or import token files)"),
+    "status": ("trainer.observe.status", "one-screen health summary of a running or finished run"),
+    "report": ("trainer.observe.report", "PNG plots + report.md of a run, into RUN_DIR/report/"),
+    "audit": ("trainer.observe.audit", "prove exactly-once data consumption from a run dir"),
+    "survival": ("trainer.survival.cli", "run-survival simulator: price the checkpoint interval"),
 }
+COMMANDS_HELP = "commands:\n" + "\n".join(
+    [f"  {'--config FILE':<16}train (supervised; --worker: one unsupervised worker); re-run to resume"]
+    + [f"  {name:<16}{line}" for name, (_, line) in SUBCOMMANDS.items()]
+) + "\n\n`python -m trainer COMMAND --help` for a command's options; README.md for the rest."
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line, like every other input error (argparse prints the usage block first)."""
+        flags = [a for act in self._actions for a in act.option_strings]
+        bad = message.split(": ", 1)[-1].split()[0] if "unrecognized arguments" in message else ""
+        near = difflib.get_close_matches(bad.split("=")[0], flags, n=1) if bad else []
+        hint = f"; did you mean {near[0]}?" if near else ""
+        self.exit(2, f"error: {message}{hint} (see python -m trainer --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer", description="Fault-tolerant GPT training on a device mesh.")
-    p.add_argument("--config", help="YAML file of differences from the defaults (e.g. configs/tiny.yaml)")
+    p = _Parser(prog="python -m trainer", description="Fault-tolerant GPT training on a device mesh.",
+                usage="python -m trainer --config FILE [--set KEY=VALUE ...] [--worker]\n"
+                      "       python -m trainer {status,report,audit,survival} ...",
+                epilog=COMMANDS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML file of differences from the defaults (e.g. configs/tiny.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key, e.g. --set train.steps=500 (repeatable)")
     p.add_argument("--worker", action="store_true", help="run the training worker in this process, unsupervised")
@@ -64,14 +83,33 @@ def run_worker(cfg: Config) -> int:
         os._exit(2 if isinstance(e, ConfigError) else 1)
 
 
+def _unknown_command(word: str) -> int:
+    near = difflib.get_close_matches(word, list(SUBCOMMANDS), n=1)
+    hint = f"did you mean '{near[0]}'? " if near else ""
+    print(f"error: unknown command '{word}'; {hint}commands: {', '.join(SUBCOMMANDS)}, or --config FILE to train "
+          f"(see python -m trainer --help)", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str]) -> int:
-    if argv and argv[0] in SUBCOMMANDS:
+    if not argv:  # never a 200-step run of the defaults into runs/default by accident
+        _parser().print_help(sys.stderr)
+        return 2
+    if argv[0] in SUBCOMMANDS:
         import importlib
 
-        return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
+        return importlib.import_module(SUBCOMMANDS[argv[0]][0]).main(argv[1:])
+    if not argv[0].startswith("-"):
+        return _unknown_command(argv[0])
     args = _parser().parse_args(argv)
     try:
         cfg = load_config(args.config, args.set)
+        from trainer.observe import outcome, rundir
+
+        if line := outcome.finished(cfg):  # nothing to do: say so, touch nothing
+            print(line, file=sys.stderr)
+            return 0
+        rundir.check_writable(cfg.run.dir)
         if args.worker or not cfg.run.supervise:
             return run_worker(cfg)
         from trainer.supervise import supervisor

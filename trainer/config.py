@@ -20,6 +20,9 @@ class ConfigError(ValueError):
     """A user mistake in the config or its inputs; the CLI prints it as one line and exits 2."""
 
 
+FROZEN_KEYS = ("model", "data.batch_size", "data.shuffle", "run.seed")  # changed, a checkpoint means nothing: no resume
+
+
 @dataclass
 class RunConfig:
     dir: str = "runs/default"  # run directory: checkpoints, events, TensorBoard, summary
@@ -256,7 +259,10 @@ def _set_dotted(tree: dict, dotted: str) -> None:
     if "=" not in dotted:
         raise ConfigError(f"--set {dotted!r}: expected dotted.key=value")
     key, raw = dotted.split("=", 1)
-    value = yaml.safe_load(raw) if raw != "" else ""
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {dotted}: the value is not valid YAML ({_yaml_cause(e)})") from None
     parts = key.split(".")
     node = tree
     for p in parts[:-1]:
@@ -268,23 +274,40 @@ def _set_dotted(tree: dict, dotted: str) -> None:
 
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     """Defaults <- YAML diff <- dotted overrides, then validation."""
-    tree: dict = {}
-    if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {path} (pass an existing YAML, e.g. configs/tiny.yaml)")
-        try:
-            tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            line = getattr(getattr(e, "problem_mark", None), "line", -1) + 1
-            raise ConfigError(f"{path}: not valid YAML (line {line})") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{path}: top level must be a mapping of sections")
+    tree = _read_yaml(path) if path else {}
     for o in overrides:
         _set_dotted(tree, o)
     cfg = _build(Config, tree, "")
     validate(cfg)
     return cfg
+
+
+def _yaml_cause(e: yaml.YAMLError) -> str:
+    """PyYAML's own words for what is wrong and where (1-based), with the fix for the usual culprits."""
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    hint = "; indent with spaces: YAML does not allow tabs" if "'\\t'" in problem else (
+        "; is it a YAML text file?" if isinstance(e, yaml.reader.ReaderError) else "")  # e.g. a NUL byte
+    return f"{where}{problem}{hint}"
+
+
+def _read_yaml(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path} is a directory; pass a YAML file, e.g. configs/tiny.yaml" if p.is_dir()
+                          else f"config file not found: {path} (pass an existing YAML, e.g. configs/tiny.yaml)")
+    try:
+        tree = yaml.safe_load(p.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not a UTF-8 text file (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                          f"pass a YAML config such as configs/tiny.yaml, saved as UTF-8") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({_yaml_cause(e)})") from None
+    if not isinstance(tree, dict | None):
+        raise ConfigError(f"{path}: top level must be a mapping of sections, like configs/tiny.yaml")
+    return tree or {}
 
 
 def _positive(cfg: Config, *keys: str, allow_zero: bool = False) -> None:
@@ -299,8 +322,7 @@ def _positive(cfg: Config, *keys: str, allow_zero: bool = False) -> None:
 def validate(cfg: Config) -> None:
     _positive(cfg, "model.vocab_size", "model.seq_len", "model.d_model", "model.n_layers",
               "model.n_heads", "data.batch_size", "train.steps", "optim.lr", "optim.clip_norm",
-              "log.every_steps", "data.read_threads", "data.default_corpus_mb", "data.prepare_workers",
-              "eval.batches")
+              "log.every_steps", "data.read_threads", "data.default_corpus_mb", "data.prepare_workers", "eval.batches")
     _positive(cfg, "model.d_ff", "optim.warmup_steps", "train.stop_at_step", "checkpoint.every_steps",
               "checkpoint.keep_every", "checkpoint.auto_devices", "mesh.cpu_devices",
               "log.peak_flops", "data.prefetch", "supervisor.max_restarts", "eval.every_steps", allow_zero=True)
@@ -314,8 +336,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"alerts.overdue_fraction must be in (0, 1), got {cfg.alerts.overdue_fraction}")
     if cfg.alerts.grad_rise <= 1.0:
         raise ConfigError(f"alerts.grad_rise must be > 1 (a growth factor), got {cfg.alerts.grad_rise}")
-    if not 0.0 <= cfg.data.val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction must be in [0, 1), got {cfg.data.val_fraction}")
     if cfg.mesh.data == 0 or cfg.mesh.data < -1:
         raise ConfigError(f"mesh.data must be > 0 or -1 (fill), got {cfg.mesh.data}")
     _validate_interval(cfg)

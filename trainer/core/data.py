@@ -21,10 +21,11 @@ from trainer.corpus.shards import Prepared
 Corpus = Prepared
 
 
-def prepare(cfg: DataConfig, *, process: int = 0) -> Prepared:
+def prepare(cfg: DataConfig, *, process: int = 0, min_tokens: int = 1) -> Prepared:
     """data.path as prepared data: a prepared DIR as it is, raw text prepared once into the cache (by
-    process 0 of a group; the others wait for it)."""
-    return cache.ensure(cfg, process=process)
+    process 0 of a group; the others wait for it). Fewer than `min_tokens` training tokens (one window)
+    is refused, for raw text before the cache is written when its size already says so."""
+    return cache.ensure(cfg, process=process, min_tokens=min_tokens)
 
 
 class TokenWindows(grain.sources.RandomAccessDataSource):

@@ -11,6 +11,7 @@ import dataclasses
 import faulthandler
 import os
 import signal
+import sys
 import time
 
 import absl.logging
@@ -24,9 +25,9 @@ from trainer.core.model import flops_per_token
 from trainer.core.state import params_sha256
 from trainer.core.step import make_train_step
 from trainer.core.worker import Worker, setup, versions
-from trainer.observe import rundir
+from trainer.observe import outcome, rundir
 from trainer.observe.audit import AuditLog
-from trainer.observe.events import iter_events
+from trainer.observe.events import iter_events, newest_record
 from trainer.observe.progress import Progress
 from trainer.supervise import exit_codes
 
@@ -61,6 +62,9 @@ def run(cfg: Config) -> int:
     _install_signals(w, flags)
     w.heartbeat.beat("startup", 0)
     st, start = _restore_or_init(w)
+    if w.primary:  # one line saying where this attempt begins, before any library output
+        print(outcome.begin_line(w.run_dir, start, steps=cfg.train.steps, n_params=w.n_params,
+                                 mesh=dict(zip(mesh_lib.AXES, w.mesh.devices.shape))), file=sys.stderr, flush=True)
     st = optim.set_hyperparams(st, w.hyperparams)  # runbook.json wins over what the checkpoint holds
     it = data.make_iterator(cfg.data, corpus=w.corpus, seq_len=cfg.model.seq_len, steps=cfg.train.steps,
                             seed=cfg.run.seed, process=jax.process_index(), processes=jax.process_count(),
@@ -73,10 +77,14 @@ def run(cfg: Config) -> int:
     code = _train(w, flags, step_fn, it, audit, st, start, ev)
     w.events.close()
     w.scalars.close()
-    if w.primary and cfg.log.report and "TRAINER_ATTEMPT" not in os.environ:  # unsupervised: no one else will
-        from trainer.observe import report
+    if "TRAINER_ATTEMPT" not in os.environ:  # unsupervised: no one else will tidy up, report or say the end
+        rundir.drop_empty_stacks(w.run_dir, [os.getpid()])
+        if w.primary and cfg.log.report:
+            from trainer.observe import report
 
-        report.write_safely(w.run_dir)
+            report.write_safely(w.run_dir)
+        if w.primary and code == exit_codes.OK and (line := outcome.end_line(w.run_dir)):
+            print(line, file=sys.stderr)
     return code
 
 
@@ -86,7 +94,7 @@ def _install_signals(w: Worker, flags: Flags) -> None:
 
     signal.signal(signal.SIGTERM, handler)
     # The supervisor sends SIGUSR1 before killing a hung worker: dump every thread's Python stack.
-    stacks = w.run_dir / "stacks"
+    stacks = w.run_dir / rundir.STACKS
     stacks.mkdir(exist_ok=True)
     global _STACKS_FILE  # open for the process's lifetime: the handler writes into it at any moment
     _STACKS_FILE = open(stacks / f"worker-{os.getpid()}.txt", "w")
@@ -257,7 +265,7 @@ class _StepLog:
         self.ckpt_s = 0.0  # blocking seconds of a save right after the pending step
         self.eval_s = 0.0  # seconds of an eval right after the pending step (left out of its tokens/s)
         self.t_prev = time.perf_counter()
-        self.loss = float("nan")
+        self.loss: float | None = None  # None: no step ran in this attempt
 
     def dispatched(self, step: int, m, data_wait: float) -> None:
         if self.pending:
@@ -308,7 +316,9 @@ def _set_lr_scale(w: Worker, flags: Flags, st, step: int):
     return st
 
 
-def _finish(w: Worker, st, step: int, loss: float) -> None:
+def _finish(w: Worker, st, step: int, loss: float | None) -> None:
+    if loss is None:  # restored the final checkpoint (killed before this ran): the loss was logged back then
+        loss = (newest_record(w.run_dir / rundir.EVENTS, "step", step) or {}).get("loss")
     digest = params_sha256(st["params"])
     if w.primary:
         summary = {"final_step": step, "final_loss": loss, "params_sha256": digest, "n_params": w.n_params,

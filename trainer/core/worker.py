@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import sys
+import os
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from trainer.config import Config, ConfigError, dump_yaml, to_dict
+from trainer.config import FROZEN_KEYS, Config, ConfigError, dump_yaml, to_dict
 from trainer.core import checkpoint, data, optim
 from trainer.core import mesh as mesh_lib
 from trainer.core import state as state_lib
@@ -27,9 +27,6 @@ from trainer.observe.tensorboard import Writer
 from trainer.supervise import runbook
 from trainer.supervise.faults import FaultInjector
 from trainer.supervise.heartbeat import Heartbeat
-
-# Keys whose change makes a checkpoint meaningless for this run: refuse to resume.
-FROZEN_KEYS = ("model", "data.batch_size", "data.shuffle", "run.seed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +126,7 @@ def _load_data(cfg: Config) -> tuple[data.Corpus, np.ndarray | None, float]:
     """The prepared data (a raw path is prepared once per group), this process's eval windows (None: eval
     off) and the seconds it took."""
     t0 = time.perf_counter()
-    corpus = data.prepare(cfg.data, process=jax.process_index())
+    corpus = data.prepare(cfg.data, process=jax.process_index(), min_tokens=cfg.model.seq_len + 1)
     windows = None if not cfg.eval.every_steps else data.eval_windows(
         corpus, seq_len=cfg.model.seq_len, global_batch=cfg.data.batch_size, batches=cfg.eval.batches,
         process=jax.process_index(), processes=jax.process_count())
@@ -145,9 +142,6 @@ def setup(cfg: Config) -> Worker:
     ckpt_dir = run_dir / rundir.CHECKPOINTS
     saved = _read_saved_meta(ckpt_dir, cfg)
     changes = check_resume(saved, cfg, corpus.fingerprint) if saved else []
-    # Valid from here on. Every process logs the data it reads: processes that disagree show in the log.
-    print(f"data: fingerprint {corpus.fingerprint[:16]} ({corpus.meta['tokenizer']}, {corpus.n_tokens:,} train + "
-          f"{corpus.n_val_tokens:,} val tokens in {corpus.dir}; {data_s:.2f}s)", file=sys.stderr, flush=True)
 
     primary = jax.process_index() == 0
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -155,8 +149,10 @@ def setup(cfg: Config) -> Worker:
     events = EventLog(run_dir / rundir.EVENTS, enabled=primary)
     events.write("data_ready", seconds=data_s, dir=str(corpus.dir), source=corpus.source,
                  tokenizer=corpus.meta["tokenizer"], vocab_size=corpus.vocab_size, n_tokens=corpus.n_tokens,
-                 n_val_tokens=corpus.n_val_tokens, fingerprint=corpus.fingerprint)
+                 n_val_tokens=corpus.n_val_tokens, fingerprint=corpus.fingerprint, prepared_now=corpus.fresh)
     rb = runbook.RunbookState.load(run_dir, cfg.optim)
+    if "TRAINER_ATTEMPT" not in os.environ:  # unsupervised: this process is the session (the goodput ledger's unit)
+        events.write("session_start", pid=os.getpid())
     if primary:  # as trained: with the runbook's softened LR, clip and b2, if it softened them
         rundir.atomic_write(run_dir / rundir.CONFIG, dump_yaml(runbook.softened_config(cfg, rb)))
     for c in changes:
@@ -176,7 +172,7 @@ def setup(cfg: Config) -> Worker:
     w = Worker(
         cfg=cfg, run_dir=run_dir, primary=primary, corpus=corpus, mesh=mesh, spec=spec,
         ckpt=checkpoint.Checkpointer(ckpt_dir, cfg.checkpoint, pinned=pins), events=events, scalars=scalars,
-        heartbeat=Heartbeat(run_dir, jax.process_index()), faults=faults, skips=rb.skips,
+        heartbeat=Heartbeat(run_dir, jax.process_index(), data=corpus.fingerprint), faults=faults, skips=rb.skips,
         hyperparams=rb.hyperparams(), n_params=state_lib.param_count(spec.abstract), eval_windows=eval_windows,
     )
     # Dashboard: grad-norm trend, throughput drop, hardware health (ECC rising -> checkpoint now), markers.

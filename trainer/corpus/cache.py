@@ -8,11 +8,11 @@ processes ever write the same file, and a second job on the same cache finds the
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import os
 import shutil
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -23,6 +23,7 @@ from trainer.corpus import prepare, shards, sources, tokenizer
 # A waiting process gives up when no process holds the entry's lock for this long without a meta.json
 # appearing: process 0 is not preparing it where this process looks (data.cache_dir not shared).
 ORPHAN_WAIT_S = 60.0
+QUIET_S = 10.0  # a preparation shorter than this says nothing: the run's own lines stay the first ones
 
 
 def entry(cfg: DataConfig, src: sources.Source) -> Path:
@@ -31,21 +32,41 @@ def entry(cfg: DataConfig, src: sources.Source) -> Path:
     return Path(cfg.cache_dir).expanduser() / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def ensure(cfg: DataConfig, *, process: int = 0) -> shards.Prepared:
-    """The prepared data for `cfg`: data.path itself when it is a prepared DIR, else its cache entry."""
+def ensure(cfg: DataConfig, *, process: int = 0, min_tokens: int = 1) -> shards.Prepared:
+    """The prepared data for `cfg`: data.path itself when it is a prepared DIR, else its cache entry
+    (prepared now if missing or damaged: the entry is ours, rebuilt from the text rather than trusted)."""
     path = Path(cfg.path).expanduser() if cfg.path else None
     if path is not None and shards.is_prepared(path):
-        return shards.read(path)
+        return _long_enough(shards.read(path), min_tokens)
     src = sources.open_source(cfg.path, text_field=cfg.text_field, default_corpus_mb=cfg.default_corpus_mb)
     fraction = sources.val_fraction(cfg.val_fraction, "data.val_fraction")
     dest = entry(cfg, src)
-    if not shards.is_prepared(dest):
+    if (prep := _usable(dest)) is None:
+        if (bound := src.max_tokens()) is not None and bound < min_tokens:  # refused before anything is written
+            _long_enough(shards.Prepared(dest, {"n_tokens": bound, "source": src.name}), min_tokens)
         plan = prepare.Plan(src, cfg.tokenizer, fraction, cfg.prepare_workers)
         if process == 0:
             _prepare_locked(plan, dest)
         else:
             _wait_for(dest)
-    return shards.read(dest)
+        prep = dataclasses.replace(shards.read(dest), fresh=process == 0)
+    return _long_enough(prep, min_tokens)
+
+
+def _usable(dest: Path) -> shards.Prepared | None:
+    if not shards.is_prepared(dest):
+        return None
+    try:
+        return shards.read(dest)
+    except ConfigError:  # a shard of ours torn or missing
+        return None
+
+
+def _long_enough(prep: shards.Prepared, min_tokens: int) -> shards.Prepared:
+    if prep.n_tokens < min_tokens:
+        raise ConfigError(f"data.path {prep.source}: {prep.n_tokens} tokens, shorter than one training window of "
+                          f"{min_tokens} (model.seq_len + 1); point data.path at more text or lower model.seq_len")
+    return prep
 
 
 def _lock(dest: Path, mode: int) -> int | None:
@@ -63,14 +84,14 @@ def _lock(dest: Path, mode: int) -> int | None:
 def _prepare_locked(plan: prepare.Plan, dest: Path) -> None:
     fd = _lock(dest, fcntl.LOCK_EX)
     try:
-        if shards.is_prepared(dest):  # another job prepared it while we waited for the lock
+        if _usable(dest) is not None:  # another job prepared it while we waited for the lock
             return
         for orphan in dest.parent.glob(f"{dest.name}.tmp-*"):  # left by a holder that died: the lock is ours now
             shutil.rmtree(orphan, ignore_errors=True)
         tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        print(f"data: preparing {plan.source.name} ({plan.spec}) once into {dest}", file=sys.stderr, flush=True)
         try:
-            prepare.prepare(plan, tmp)
+            prepare.prepare(plan, tmp, progress=f"data: preparing {plan.source.name} ({plan.spec}) into {dest}",
+                            quiet_s=QUIET_S)
             shards.fsync_dir(tmp)
             shutil.rmtree(dest, ignore_errors=True)  # a torn entry from before meta.json existed
             os.rename(tmp, dest)
@@ -85,7 +106,7 @@ def _wait_for(dest: Path, *, poll_s: float = 0.1) -> None:
     """Until process 0's meta.json appears. While the lock is held, someone is preparing: keep waiting
     (a dead process 0 takes the group down through the launcher)."""
     free_since = None
-    while not shards.is_prepared(dest):
+    while _usable(dest) is None:
         fd = _lock(dest, fcntl.LOCK_SH | fcntl.LOCK_NB)
         if fd is None:
             free_since = None

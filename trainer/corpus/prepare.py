@@ -42,19 +42,22 @@ class Plan:
 
 
 class _Progress:
-    """One stderr line with tokens/s: redrawn in place on a terminal, every 10 s in a log."""
+    """One stderr line with tokens/s: redrawn in place on a terminal, every 10 s in a log. Nothing at all
+    before `quiet_s` seconds (a short preparation inside a training start stays silent)."""
 
-    def __init__(self, total_bytes: int, enabled: bool = True):
-        self.total, self.enabled, self.tty = max(total_bytes, 1), enabled, sys.stderr.isatty()
+    def __init__(self, total_bytes: int, label: str, quiet_s: float = 0.0):
+        self.total, self.label, self.quiet_s, self.tty = max(total_bytes, 1), label, quiet_s, sys.stderr.isatty()
         self.t0 = self.last = time.perf_counter()
+        self.shown = False
 
     def update(self, n_bytes: int, n_tokens: int, *, final: bool = False) -> None:
         now = time.perf_counter()
-        if not self.enabled or not (final or now - self.last >= (0.5 if self.tty else 10.0)):
+        due = now - self.last >= (0.5 if self.tty else 10.0) and now - self.t0 >= self.quiet_s
+        if not self.label or not (due or final and (self.shown or not self.quiet_s)):
             return
-        self.last = now
+        self.last, self.shown = now, True
         rate = n_tokens / max(now - self.t0, 1e-9)
-        line = (f"prepare: {n_bytes / self.total:4.0%} {n_bytes / 1e6:,.1f}/{self.total / 1e6:,.1f} MB  "
+        line = (f"{self.label}: {n_bytes / self.total:4.0%} {n_bytes / 1e6:,.1f}/{self.total / 1e6:,.1f} MB  "
                 f"{n_tokens:,} tokens  {rate:,.0f} tok/s")
         end = "\n" if final or not self.tty else ""
         print(("\r" if self.tty else "") + line, end=end, file=sys.stderr, flush=True)
@@ -123,8 +126,9 @@ def build_tokenizer(plan: Plan) -> Tok:
     return tokenizer.resolve(plan.spec)
 
 
-def prepare(plan: Plan, out: Path, *, progress: bool = True) -> dict:
-    """Write a prepared DIR at `out` (which must not exist); returns meta.json's content plus timings."""
+def prepare(plan: Plan, out: Path, *, progress: str = "prepare", quiet_s: float = 0.0) -> dict:
+    """Write a prepared DIR at `out` (which must not exist); returns meta.json's content plus timings.
+    `progress` labels the progress line ("" = none)."""
     plan.source.check()
     t0 = time.perf_counter()
     tok = build_tokenizer(plan)
@@ -133,7 +137,7 @@ def prepare(plan: Plan, out: Path, *, progress: bool = True) -> dict:
     tok.save(out)
     dtype = shards.dtype_for(tok.vocab_size)
     writers = {s: shards.ShardWriter(out, s, dtype, plan.shard_tokens) for s in shards.SPLITS}
-    bar = _Progress(plan.source.n_bytes, progress)
+    bar = _Progress(plan.source.n_bytes, progress, quiet_s)
     n_bytes = n_tokens = 0
     t1 = time.perf_counter()
     for train, val, b in _encoded(plan, tok):

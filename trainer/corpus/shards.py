@@ -93,6 +93,7 @@ class Prepared:
 
     dir: Path
     meta: dict
+    fresh: bool = False  # prepared by this process just now (a raw path's first use)
 
     @property
     def fingerprint(self) -> str:

@@ -33,6 +33,13 @@ class Source:
     def n_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.files)
 
+    def max_tokens(self) -> int | None:
+        """An upper bound on the tokens of any tokenizer (at most one per byte, plus the end-of-text ids),
+        exact for bytes on text files; None when unknown (parquet is compressed)."""
+        if any(f.suffix == ".parquet" for f in self.files):
+            return None
+        return sum(f.stat().st_size + (f.suffix != ".jsonl") for f in self.files)
+
     def stat_key(self) -> str:
         """Names, sizes and mtimes: enough to tell an unchanged corpus without reading it."""
         return "".join(f"{f}:{(st := f.stat()).st_size}:{st.st_mtime_ns}\n" for f in self.files)

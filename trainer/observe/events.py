@@ -1,7 +1,7 @@
 """events.jsonl: the run's one event log (worker and supervisor append to the same file), and its readers.
 
-One JSON object per line with `event`, `time` and usually `step`. Only process 0 of a worker group
-writes; the supervisor tags its own records with "by": "supervisor".
+One JSON object per line with `event`, `time` and usually `step`, strict JSON (a NaN or infinite loss is
+null). Only process 0 of a worker group writes; the supervisor tags its own records with "by": "supervisor".
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from trainer.observe.rundir import dumps
 
 
 class EventLog:
@@ -37,13 +39,13 @@ class EventLog:
         if self._fh is None:
             self._held.append(rec)
         else:
-            self._fh.write(json.dumps(rec) + "\n")
+            self._fh.write(dumps(rec) + "\n")
 
     def open(self) -> None:
         if self._fh is None and self._enabled:
             self._fh = open(self._path, "a", buffering=1)
             for rec in self._held:
-                self._fh.write(json.dumps(rec) + "\n")
+                self._fh.write(dumps(rec) + "\n")
             self._held = []
 
     def close(self) -> None:
@@ -95,3 +97,8 @@ def events_newest_first(path: Path) -> Iterator[dict]:
             yield json.loads(line)
         except ValueError:  # a line torn by a kill mid-write
             continue
+
+
+def newest_record(path: Path, event: str, step: int) -> dict | None:
+    """The newest `event` record logged at `step`, or None."""
+    return next((e for e in events_newest_first(path) if e.get("event") == event and e.get("step") == step), None)

@@ -1,8 +1,10 @@
 """Goodput ledger: where the wall-clock time of a run went, computed from its events.jsonl.
 
 Categories: productive steps, recomputed steps (work redone after a rollback), checkpoint blocking,
-initial startup, and restart downtime (detection, backoff, process start, restore, compile, and
-work lost in the step that was running when a worker died). No jax here: the supervisor uses it.
+initial startup, shutdown (a worker's clean exit: from its last event to the end of the session), and
+restart downtime (detection, backoff, process start, restore, compile, and work lost in the step that
+was running when a worker died; a resumed session's start counts here too). No jax here: the
+supervisor uses it.
 """
 
 from __future__ import annotations
@@ -12,14 +14,20 @@ from pathlib import Path
 
 from trainer.observe.tensorboard import Writer
 
-CATEGORIES = ("productive", "recompute", "checkpoint", "startup", "restart")
+CATEGORIES = ("productive", "recompute", "checkpoint", "startup", "shutdown", "restart")
+# A worker ends its part of a session cleanly with one of these (the supervisor's copies carry "by").
+CLEAN_END = ("run_complete", "stopped", "preempted")
+# A session is one invocation: a supervisor, or a worker run unsupervised (`--worker`).
+SESSION_START = ("supervisor_start", "session_start")
 
 
 def _sessions(events: list[dict], t_end: float) -> list[tuple[float, float, list[dict]]]:
-    """Split the history at each supervisor start; time between sessions (queued job) is not ours."""
+    """Split the history at each supervisor start; time between sessions (queued job) is not ours. By time,
+    not file order: the supervisor holds its first events back until a worker accepted the config, so they
+    land in the file after the worker's first events."""
     sessions, cur = [], None
-    for e in events:
-        if e["event"] == "supervisor_start":
+    for e in sorted(events, key=lambda e: e["time"]):
+        if e["event"] in SESSION_START:
             if cur:
                 sessions.append(cur)
             cur = [e["time"], e["time"], []]
@@ -40,12 +48,16 @@ def ledger(events: list[dict], t_start: float, t_end: float) -> dict:
         if i == len(sessions) - 1:
             s1 = max(s1, t_end)
         wall += s1 - s0
-        first_step_t, fail_t, last_step_t = None, None, None
+        first_step_t, fail_t, last_step_t, clean_end_t = None, None, None, None
         for e in evs:
             kind = e["event"]
-            if kind in ("run_complete", "stopped", "preempted") and last_step_t is not None and "by" not in e:
-                secs["checkpoint"] += e["time"] - last_step_t  # waiting for the final save to be durable
-                last_step_t = None
+            if kind in CLEAN_END and "by" not in e:
+                if last_step_t is not None:
+                    secs["checkpoint"] += e["time"] - last_step_t  # waiting for the final save to be durable
+                    last_step_t = None
+                clean_end_t = e["time"]
+            elif kind in ("worker_start", "restart"):
+                clean_end_t = None
             if kind == "step":
                 last_step_t = e["time"]
                 block = e.get("ckpt_block_s", 0.0)
@@ -63,6 +75,8 @@ def ledger(events: list[dict], t_start: float, t_end: float) -> dict:
                 fail_t = e["time"]
         if first_step_t is not None and i == 0:
             secs["startup"] += first_step_t - s0
+        if clean_end_t is not None:  # the worker exiting (interpreter and runtime teardown), the final ledger
+            secs["shutdown"] += s1 - clean_end_t
     accounted = sum(v for k, v in secs.items() if k != "restart")
     secs["restart"] = max(wall - accounted, 0.0)
     total = sum(secs.values()) or 1.0

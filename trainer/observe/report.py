@@ -24,7 +24,7 @@ MARKER_STYLE = {
     "checkpoint_now": ("checkpoint now", "black", ":"), "restore": ("resumed from checkpoint", "tab:green", ":"),
 }
 GOODPUT_COLOURS = {"productive": "tab:green", "recompute": "tab:orange", "checkpoint": "tab:blue",
-                   "startup": "tab:gray", "restart": "tab:red"}
+                   "startup": "tab:gray", "shutdown": "silver", "restart": "tab:red"}
 
 
 def _attempts(events: list[dict]) -> list[list[dict]]:
@@ -49,17 +49,22 @@ def _markers(ax, events: list[dict]) -> None:
         seen.add(label)
 
 
-def _series(ax, attempts: list[list[dict]], key: str, *, label: str, colour: str, log: bool = False) -> None:
+def _series(ax, attempts: list[list[dict]], key: str, *, label: str, colour: str, log: bool = False) -> int:
+    """One line per attempt, the first solid and later ones dashed; returns how many lines it drew. A
+    non-finite value (null in the event log) leaves a gap."""
+    drawn = 0
     for i, recs in enumerate(attempts):
-        pts = [(r["step"], r[key]) for r in recs if key in r and (r[key] > 0 or not log)]
+        pts = [(r["step"], r[key]) for r in recs if r.get(key) is not None and (r[key] > 0 or not log)]
         if pts:
             xs, ys = zip(*pts)
             ax.plot(xs, ys, color=colour, lw=1.3, alpha=1.0 if i == len(attempts) - 1 else 0.55,
-                    label=label if i == 0 else None, ls="-" if i % 2 == 0 else "--")
+                    label=label if drawn == 0 else None, ls="-" if drawn == 0 else "--")
+            drawn += 1
     if log:
         ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
+    return drawn
 
 
 def _legend(ax) -> None:
@@ -90,15 +95,14 @@ def _alert_spans(ax, events: list[dict], kind: str, colour: str) -> None:
 
 def plot_loss(v: status.RunView, plt, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    attempts = _attempts(v.events)
-    _series(ax, attempts, "loss", label="train loss", colour="tab:blue")
+    drawn = _series(ax, _attempts(v.events), "loss", label="train loss", colour="tab:blue")
     if evals := status.latest_evals(v.events):
         xs = sorted(evals)
         ax.plot(xs, [evals[k]["loss"] for k in xs], "o-", color="tab:orange", lw=1.5, ms=4,
                 label="eval loss (held out)")
     _markers(ax, v.events)
     ax.set_ylabel("loss")
-    ax.set_title(f"Loss ({len(attempts)} attempt{'s' if len(attempts) != 1 else ''}; dashed = a later attempt)")
+    ax.set_title(f"Loss ({drawn} attempts; dashed = a later attempt's steps)" if drawn > 1 else "Loss")
     _legend(ax)
     _save(fig, plt, out)
 
@@ -120,31 +124,39 @@ def plot_grad_norm(v: status.RunView, plt, out: Path) -> None:
 def plot_throughput(v: status.RunView, plt, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     attempts = _attempts(v.events)
-    _series(ax, attempts, "tokens_per_s", label="tokens/s", colour="tab:blue")
+    rec = next((r for a in attempts for r in a if r.get("mfu") and r["tokens_per_s"]), None)
+    _series(ax, attempts, "tokens_per_s", label="tokens/s = MFU (right axis)" if rec else "tokens/s", colour="tab:blue")
     ax.set_ylabel("tokens/s")
     _alert_spans(ax, v.events, "throughput_drop", "tab:orange")
     _markers(ax, v.events)
-    rec = next((r for a in attempts for r in a if r.get("mfu") and r["tokens_per_s"]), None)
+    saves = sorted({e["step"] for e in v.events if e["event"] == "checkpoint_saved"})
+    for i, step in enumerate(saves):
+        ax.axvline(step, color="gray", lw=0.8, alpha=0.5, label=None if i else "checkpoint saved")
     if rec:  # MFU is tokens/s times a constant (FLOPs per token / peak): the same line, a second scale
         k = 100 * rec["mfu"] / rec["tokens_per_s"]
         ax.secondary_yaxis("right", functions=(lambda t: t * k, lambda m: m / k)).set_ylabel("MFU % (right axis)")
     _legend(ax)
-    ax.set_title("Throughput and MFU (a dip right after a checkpoint step is save blocking)")
+    title = "Throughput and MFU" if rec else "Throughput"
+    ax.set_title(f"{title} (a dip right after a checkpoint mark is save blocking)" if saves else title)
     _save(fig, plt, out)
 
 
-def plot_goodput(led: dict, restarts: int, plt, out: Path) -> None:
+def plot_goodput(led: dict, restarts: int, plt, out: Path, *, resumes: int = 0) -> None:
     secs, fr = led["goodput"]["seconds"], led["goodput"]["fractions"]
     fig, ax = plt.subplots(figsize=(9, 2.8))
     left = 0.0
     for k in goodput.CATEGORIES:
+        if secs[k] < 0.05:  # would read "0.0s (0%)": a share the run did not have
+            continue
         ax.barh([0], [secs[k]], left=left, color=GOODPUT_COLOURS[k], label=f"{k} {secs[k]:.1f}s ({fr[k]:.0%})")
         if fr[k] >= 0.06:
             ax.text(left + secs[k] / 2, 0, f"{fr[k]:.0%}", ha="center", va="center", color="white", fontsize=9)
         left += secs[k]
     ax.set_yticks([])
     ax.set_xlabel("wall-clock seconds")
-    ax.set_title(f"Goodput: where the {led['wall_s']:.0f}s went ({restarts} restart{'s' if restarts != 1 else ''})")
+    what = f"{restarts} restart{'s' if restarts != 1 else ''}" + (
+        f", {resumes} resumed session{'s' if resumes != 1 else ''}" if resumes else "")
+    ax.set_title(f"Goodput: where the {led['wall_s']:.0f}s went ({what})")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, fontsize=8, frameon=False)
     _save(fig, plt, out)
 
@@ -163,8 +175,9 @@ def _markdown(v: status.RunView, led: dict, pngs: list[str]) -> str:
     else:
         lines.append("None.")
     events = [e for e in v.events if e["event"] in MARKER_STYLE]
-    lines += ["", f"## Restarts and runbook actions ({len(events)})", ""]
-    lines += [f"- step {e.get('step')}: {e['event']} {e.get('reason', '')}".rstrip() for e in events] or ["None."]
+    lines += ["", f"## Restarts, resumes and runbook actions ({len(events)})", ""]
+    lines += [f"- step {e.get('step')}: {MARKER_STYLE[e['event']][0]} {e.get('reason', '')}".rstrip()
+              for e in events] or ["None."]
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in pngs]
     return "\n".join(lines) + "\n"
 
@@ -182,10 +195,11 @@ def write(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     _, live = status.run_state(v)
     led = status.ledger_now(v, live)
     restarts = sum(e["event"] == "restart" for e in v.events)
+    resumes = max(sum(e["event"] in goodput.SESSION_START for e in v.events) - 1, 0)
     plot_loss(v, plt, out / "loss.png")
     plot_grad_norm(v, plt, out / "grad_norm.png")
     plot_throughput(v, plt, out / "throughput.png")
-    plot_goodput(led, restarts, plt, out / "goodput.png")
+    plot_goodput(led, restarts, plt, out / "goodput.png", resumes=resumes)
     md = out / "report.md"
     md.write_text(_markdown(v, led, ["loss.png", "grad_norm.png", "throughput.png", "goodput.png"]))
     return md

@@ -2,19 +2,56 @@
 
 A file that a kill may catch half-written (heartbeats, runbook.json, summary.json, the data cache) is
 written to a temporary name and renamed over the old one: readers see the old bytes or the new ones.
+Every JSON we write is strict (RFC 8259): a NaN or infinite float is written as null.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
+
+from trainer.config import ConfigError
 
 EVENTS = "events.jsonl"
 SUMMARY = "summary.json"
 CONFIG = "config.yaml"
 CHECKPOINTS = "checkpoints"
 TENSORBOARD = "tb"
+STACKS = "stacks"  # worker-PID.txt: a hung worker's Python stacks, dumped before the kill
+
+
+def check_writable(run_dir: str | Path) -> None:
+    """Refuse, as a ConfigError, a run.dir that cannot be created or written, before anything is written."""
+    p = Path(run_dir)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"run.dir {p} is an existing file, not a directory; pick another run.dir "
+                          f"(--set run.dir=runs/NAME)")
+    base = p
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise ConfigError(f"run.dir {p} cannot be created: {base} is a file, not a directory; pick another run.dir")
+    if not os.access(base, os.W_OK | os.X_OK):
+        what = f"run.dir {p} is" if base == p else f"run.dir {p} cannot be created: {base} is"
+        raise ConfigError(f"{what} not writable by this user; pick a run.dir you can write "
+                          f"(--set run.dir=runs/NAME) or fix its permissions")
+
+
+def drop_empty_stacks(run_dir: Path, pids: list[int] | None = None) -> None:
+    """Remove the stack files of workers (all, or those `pids`) that never had to dump: every worker opens
+    one at start, because faulthandler needs the file before a hang, but only a hang fills it."""
+    folder = Path(run_dir) / STACKS
+    names = [f"worker-{pid}.txt" for pid in pids] if pids is not None else None
+    try:  # peers of a process group tidy up at the same moment: whatever one of them removed is gone
+        for f in folder.glob("worker-*.txt"):
+            if (names is None or f.name in names) and f.stat().st_size == 0:
+                f.unlink(missing_ok=True)
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+    except OSError:
+        pass
 
 
 def atomic_write(path: Path, data: str | bytes, *, durable: bool = False) -> None:
@@ -31,8 +68,25 @@ def atomic_write(path: Path, data: str | bytes, *, durable: bool = False) -> Non
     os.replace(tmp, path)
 
 
+def _finite(obj):
+    """`obj` with every NaN/Inf float replaced by None: Python's json would write the non-standard
+    NaN/Infinity tokens, which strict parsers (jq, browsers, Go, Rust) reject."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def dumps(obj, *, indent: int | None = None) -> str:
+    """Strict JSON text of `obj` (non-finite floats as null): the one encoder of every JSON file we write."""
+    return json.dumps(_finite(obj), indent=indent, allow_nan=False)
+
+
 def write_json(path: Path, obj, *, durable: bool = False, indent: int | None = 1) -> None:
-    atomic_write(path, json.dumps(obj, indent=indent), durable=durable)
+    atomic_write(path, dumps(obj, indent=indent), durable=durable)
 
 
 def read_json(path: Path) -> dict | None:

@@ -151,7 +151,8 @@ def recent_steps(path: Path, *, upto: int, n: int) -> list[dict]:
     seen: dict[int, dict] = {}
     for e in events_newest_first(path):
         if e.get("event") == "step" and e["step"] <= upto and e["step"] not in seen:
-            seen[e["step"]] = e
+            # events.jsonl is strict JSON: a NaN/Inf metric was written as null
+            seen[e["step"]] = {k: math.nan if v is None else v for k, v in e.items()}
             if len(seen) == n:
                 break
     return [seen[s] for s in sorted(seen)]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import math
 import os
 import statistics
 import sys
@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from trainer.config import Config, ConfigError, load_config
-from trainer.observe import goodput
-from trainer.observe.events import read_events
+from trainer.observe import goodput, rundir
+from trainer.observe.events import iter_events
 from trainer.observe.progress import fmt_duration
 from trainer.supervise import heartbeat
 
@@ -33,6 +33,7 @@ class RunView:
     heartbeat: dict | None
     summary: dict
     now: float
+    problems: list[str] = dataclasses.field(default_factory=list)  # damaged files, shown as notes
 
     @property
     def steps(self) -> dict[int, dict]:
@@ -51,14 +52,31 @@ def load(run_dir: str | Path) -> RunView:
     run_dir = Path(run_dir)
     if not (run_dir / "events.jsonl").is_file():
         raise ConfigError(f"{run_dir}: no events.jsonl here; pass a run dir (the run.dir of a run)")
+    problems: list[str] = []
     try:
         cfg = load_config(str(run_dir / "config.yaml")) if (run_dir / "config.yaml").is_file() else Config()
-    except ConfigError:  # written by another version of the trainer: its defaults are close enough here
+    except ConfigError as e:  # another version of the trainer wrote it, or it is damaged: defaults are close enough
+        problems.append(f"config.yaml not usable ({e}); showing with default settings")
         cfg = Config()
-    summary_path = run_dir / "summary.json"
-    return RunView(run_dir=run_dir, cfg=cfg, events=read_events(run_dir / "events.jsonl"),
-                   heartbeat=heartbeat.read(heartbeat.heartbeat_path(run_dir, 0)),
-                   summary=json.loads(summary_path.read_text()) if summary_path.is_file() else {}, now=time.time())
+    summary_path = run_dir / rundir.SUMMARY
+    summary = rundir.read_json(summary_path)
+    if summary is None and summary_path.exists():
+        problems.append(f"{summary_path} is damaged (not a JSON object); re-run the training command to rewrite it")
+    torn: list[str] = []
+    events = list(iter_events(run_dir / rundir.EVENTS, torn))
+    if torn:
+        problems.append(f"{len(torn)} unreadable line(s) in events.jsonl left out (a write torn by a kill)")
+    return RunView(run_dir=run_dir, cfg=cfg, events=events, summary=summary or {}, now=time.time(),
+                   heartbeat=heartbeat.read(heartbeat.heartbeat_path(run_dir, 0)), problems=problems)
+
+
+def num(v) -> float:
+    """A metric as a float: events and summary.json are strict JSON, where a NaN or infinite value is null."""
+    return math.nan if v is None else float(v)
+
+
+def fmt_loss(v) -> str:
+    return f"{v:.4f}" if v is not None and math.isfinite(v) else "not finite (NaN/Inf)"
 
 
 def _alive(pid: int | None) -> bool:
@@ -77,7 +95,7 @@ def run_state(v: RunView) -> tuple[str, bool]:
     """(what the run is doing, whether it is live). A terminal event counts only if nothing started after it."""
     state, live_pid = "NOT STARTED", None
     for e in v.events:
-        if e["event"] == "supervisor_start":
+        if e["event"] in goodput.SESSION_START:
             state, live_pid = "RUNNING", e.get("pid")
         elif e["event"] in ATTEMPT_START or e["event"] == "worker_start":
             state = "RUNNING"
@@ -109,7 +127,7 @@ def open_alerts(events: list[dict]) -> list[dict]:
 def ledger_now(v: RunView, live: bool) -> dict:
     """The goodput ledger so far; an unsupervised run is one session from its first event."""
     evs = v.events
-    if evs and not any(e["event"] == "supervisor_start" for e in evs):
+    if evs and not any(e["event"] in goodput.SESSION_START for e in evs):  # written before session_start existed
         evs = [{"event": "supervisor_start", "time": evs[0]["time"]}, *evs]
     t_end = v.now if live else (evs[-1]["time"] if evs else v.now)
     return goodput.ledger(evs, evs[0]["time"] if evs else v.now, t_end)
@@ -130,7 +148,7 @@ def steady_step_s(run_dir: str | Path, *, skip_first: int = 5) -> float:
 
 
 def _median_of(recs: list[dict], key: str) -> float:
-    vals = [r[key] for r in recs if key in r]
+    vals = [r[key] for r in recs if r.get(key) is not None]
     return statistics.median(vals) if vals else float("nan")
 
 
@@ -142,13 +160,14 @@ def _loss_lines(v: RunView, steps: dict[int, dict]) -> list[str]:
     recent, before = order[-n:], order[-2 * n:-n]
     trend = ""
     if before:
-        a, b = statistics.fmean(r["loss"] for r in before), statistics.fmean(r["loss"] for r in recent)
-        trend = (f"   trend {'down' if b < a else 'UP'} {abs(b - a) / a:.1%} "
-                 f"(mean of last {len(recent)} vs the {len(before)} before)")
-    lines = [f"loss      {last['loss']:.4f}{trend}",
-             f"grad norm {last['grad_norm']:.3g} before clipping (median last {len(recent)}: "
+        a, b = statistics.fmean(num(r["loss"]) for r in before), statistics.fmean(num(r["loss"]) for r in recent)
+        if math.isfinite(a) and math.isfinite(b):
+            trend = (f"   trend {'down' if b < a else 'UP'} {abs(b - a) / a:.1%} "
+                     f"(mean of last {len(recent)} vs the {len(before)} before)")
+    lines = [f"loss      {fmt_loss(last['loss'])}{trend}",
+             f"grad norm {num(last['grad_norm']):.3g} before clipping (median last {len(recent)}: "
              f"{_median_of(recent, 'grad_norm'):.3g}; clip {v.cfg.optim.clip_norm:g})   update norm "
-             f"{last['update_norm']:.3g}   lr {last['lr']:.3g}"]
+             f"{num(last['update_norm']):.3g}   lr {num(last['lr']):.3g}"]
     recent10 = order[-10:]
     mfu = _median_of(recent10, "mfu")
     mfu_s = f"MFU {mfu:.1%}" if mfu == mfu else "MFU n/a (set log.peak_flops)"
@@ -243,9 +262,9 @@ def render(v: RunView) -> str:
     steps = v.steps
     head = f"run {v.run_dir}   {state}"
     if "params_sha256" in v.summary and not live:
-        head += f"   final loss {v.summary.get('final_loss', float('nan')):.4f}"
+        head += f"   final loss {fmt_loss(v.summary.get('final_loss'))}"
     lines = [head, _progress_line(v, steps, live), *_loss_lines(v, steps), *_eval_line(v), *_ops_lines(v, live),
-             *_alert_lines(v, live), _health_line(v)]
+             *_alert_lines(v, live), _health_line(v), *(f"note      {p}" for p in v.problems)]
     return "\n".join(lines)
 
 

@@ -26,15 +26,21 @@ def heartbeat_path(run_dir: Path, process: int) -> Path:
 
 
 class Heartbeat:
-    def __init__(self, run_dir: Path, process: int):
+    def __init__(self, run_dir: Path, process: int, *, data: str = ""):
         self.path = heartbeat_path(run_dir, process)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.data = data  # the fingerprint of the data this process reads: every process's is on record
 
     def beat(self, phase: str, step: int) -> None:
         # "launch" names the attempt (set by the supervisor), so a stale file from an old attempt never counts.
         write_json(self.path, {"phase": phase, "step": step, "time": time.time(), "pid": os.getpid(),
-                               "launch": os.environ.get("TRAINER_LAUNCH_ID", "")}, indent=None)
+                               "launch": os.environ.get("TRAINER_LAUNCH_ID", ""), "data": self.data}, indent=None)
 
 
 def read(path: Path) -> dict | None:
-    return read_json(path)
+    """The heartbeat, or None when it is missing, torn or damaged: a reader treats it as not written yet."""
+    hb = read_json(path)
+    if hb is None or hb.get("phase") not in PHASES or not all(
+            isinstance(hb.get(k), (int, float)) and not isinstance(hb.get(k), bool) for k in ("step", "time")):
+        return None
+    return hb

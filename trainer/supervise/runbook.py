@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from trainer.config import Config, OptimConfig, RunbookConfig
+from trainer.config import Config, ConfigError, OptimConfig, RunbookConfig
 from trainer.observe.events import events_newest_first
 from trainer.observe.rundir import write_json
 from trainer.observe.tensorboard import Writer
@@ -49,7 +49,7 @@ class RunbookState:
     @classmethod
     def load(cls, run_dir: Path, optim: OptimConfig) -> RunbookState:
         p = Path(run_dir) / STATE_FILE
-        saved = json.loads(p.read_text()) if p.is_file() else {}
+        saved = _read_state(p) if p.exists() else {}
         return cls(skips=saved.get("skips", []), lr_scale=saved.get("lr_scale", 1.0),
                    clip_norm=saved.get("clip_norm", optim.clip_norm), b2=saved.get("b2", optim.b2),
                    pinned=saved.get("pinned", []), history=saved.get("history", []))
@@ -61,6 +61,24 @@ class RunbookState:
     def hyperparams(self) -> dict[str, float]:
         """The optimizer's injected hyperparameters, set by the worker after every restore or init."""
         return {"lr_scale": self.lr_scale, "clip_norm": self.clip_norm, "b2": self.b2}
+
+
+def _read_state(p: Path) -> dict:
+    """runbook.json, checked: it decides which data the run trains on, so a damaged one is never guessed at."""
+    try:
+        saved = json.loads(p.read_bytes())
+    except (OSError, ValueError) as e:
+        saved, why = None, f"{type(e).__name__}: {e}"
+    else:
+        why = "not the runbook's JSON object"
+    num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    ints = lambda v: isinstance(v, list) and all(isinstance(x, int) for x in v)
+    if (isinstance(saved, dict) and all(num(saved.get(k, 1.0)) for k in ("lr_scale", "clip_norm", "b2"))
+            and ints(saved.get("skips", [])) and ints(saved.get("pinned", []))
+            and isinstance(saved.get("history", []), list)):
+        return saved
+    raise ConfigError(f"{p} is damaged ({why[:120]}); it holds the spike runbook's skipped batches and softened "
+                      f"hyperparameters: restore it from a backup, or move it away to resume without them")
 
 
 def softened_config(cfg: Config, state: RunbookState) -> Config:
@@ -124,6 +142,7 @@ def describe(h: dict) -> str:
             "soften": f"softened: LR scale {h.get('lr_scale')}, clip {h.get('clip_norm')}, b2 {h.get('b2')}",
             "give_up": "gave up"}[h["action"]]
     value = f"{h['value']:.4g}" if isinstance(h["value"], float) else h["value"]
+    value = "NaN/Inf" if value is None else value  # strict JSON: a non-finite value is stored as null
     bar = f" > {h['threshold']:.4g}" if h.get("threshold") is not None else ""
     return (f"#{h['n']} spike at step {h['began']} ({h['signal']} {value}{bar}): "
             f"rewound {h['from']} -> {h['to']}, {what}")

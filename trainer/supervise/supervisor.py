@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.config import Config
-from trainer.observe import goodput, rundir
+from trainer.observe import goodput, outcome, rundir
 from trainer.observe.alerts import ALERTS
 from trainer.observe.events import EventLog, read_events
 from trainer.supervise import exit_codes, heartbeat, launcher, runbook
+from trainer.supervise.noise import is_library_noise
 
 
 @dataclass
@@ -56,11 +57,13 @@ class Supervisor:
         return att
 
     def _pump(self, att: Attempt, log_dir: Path) -> None:
-        """Copy worker output to our stderr and a per-attempt log; keep a tail for error messages."""
+        """Copy worker output to our stderr (library noise only to the log) and a per-attempt log; keep a tail
+        for error messages."""
         log = None
         for raw in iter(att.proc.stdout.readline, b""):
             line = raw.decode(errors="replace")
-            sys.stderr.write(line)
+            if not is_library_noise(line):
+                sys.stderr.write(line)
             att.tail.append(line.rstrip("\n"))
             if log is None and self.accepted:
                 log_dir.mkdir(parents=True, exist_ok=True)
@@ -157,6 +160,7 @@ class Supervisor:
                 self._write_ledger(t0, restarts, final=False)
                 interim_ledger = False
             code = self._wait(att)
+            rundir.drop_empty_stacks(self.run_dir)  # every worker opens one; only a hang dump fills it
             step = _last_step(self.run_dir)
             self.events.write("worker_exit", step=step, pid=att.proc.pid, attempt=number, **att.proc.describe_exit(),
                               **({"signal": signal.Signals(-code).name} if code < 0 else {"exit_code": code}))
@@ -206,7 +210,7 @@ class Supervisor:
 
     def _give_up(self, code: int, step, reason: str, att: Attempt, t0: float, restarts: int) -> int:
         what = "crash loop" if code == exit_codes.CRASH_LOOP else "restart budget spent"
-        last = "\n".join(list(att.tail)[-10:])
+        last = "\n".join([t for t in att.tail if not is_library_noise(t)][-10:])
         self.events.write("gave_up", step=step, reason=what, last_error=reason, restarts=restarts)
         self._write_ledger(t0, restarts)
         print(f"supervisor: giving up ({what}): the worker keeps failing at step {step} ({reason}) "
@@ -214,8 +218,11 @@ class Supervisor:
         return code
 
     def _complete(self, t0: float, restarts: int) -> int:
-        self.events.write("run_complete", step=_last_step(self.run_dir), restarts=restarts)
+        end = outcome.worker_end(self.run_dir)  # the run is complete, or stopped at train.stop_at_step
+        self.events.write(end["event"] if end else "run_complete", step=_last_step(self.run_dir), restarts=restarts)
         self._write_ledger(t0, restarts)
+        if line := outcome.end_line(self.run_dir):
+            print(line, file=sys.stderr)
         return exit_codes.OK
 
     def _write_ledger(self, t0: float, restarts: int, *, final: bool = True) -> None:
@@ -260,6 +267,8 @@ def _lock(run_dir: Path) -> int | None:
 
 def main(cfg: Config, config_path: str | None, overrides: list[str]) -> int:
     run_dir = Path(cfg.run.dir)
+    argv = (["--config", config_path] if config_path else []) + [a for o in overrides for a in ("--set", o)]
+    sup = Supervisor(cfg, argv)  # first: it may still refuse the config (launch settings), before any write
     created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = _lock(run_dir)
@@ -267,8 +276,6 @@ def main(cfg: Config, config_path: str | None, overrides: list[str]) -> int:
         print(f"error: run.dir {run_dir} is in use by another supervisor; wait for it or pick another run.dir",
               file=sys.stderr)
         return exit_codes.LOCKED
-    argv = (["--config", config_path] if config_path else []) + [a for o in overrides for a in ("--set", o)]
-    sup = Supervisor(cfg, argv)
     code = sup.run()
     if code == exit_codes.CONFIG and created and not sup.accepted:
         shutil.rmtree(run_dir, ignore_errors=True)  # leave no trace of a run that never started
