@@ -112,7 +112,7 @@ def test_eval_windows_are_fixed_spread_over_the_split_and_sharded_like_training(
     assert (whole.reshape(24, 33) == np.stack([val[i] for i in picks])).all()
     halves = [eval_windows(c, seq_len=32, global_batch=8, batches=3, process=p, processes=2) for p in (0, 1)]
     assert (np.concatenate(halves, axis=1) == whole).all()
-    with pytest.raises(ConfigError, match="eval needs 96 validation windows .* holds out 87"):
+    with pytest.raises(ConfigError, match="eval needs 96 validation windows .* holds out only 87"):
         eval_windows(c, seq_len=32, global_batch=8, batches=12, process=0, processes=1)
 
 

@@ -87,4 +87,4 @@ def test_an_imported_token_file_trains_and_a_small_vocab_is_refused(tmp_path, bp
     assert small.returncode == 2 and not (tmp_path / "small").exists()
     assert "model.vocab_size (384) is smaller than the tokenizer's vocabulary (512, bpe:512" in small.stderr
     no_val = run_trainer(tmp_path / "noval", f"data.path={imported}", "model.vocab_size=512", *EVAL, check=False)
-    assert no_val.returncode == 2 and "holds out 0" in no_val.stderr and not (tmp_path / "noval").exists()
+    assert no_val.returncode == 2 and "holds out only 0" in no_val.stderr and not (tmp_path / "noval").exists()

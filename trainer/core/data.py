@@ -129,7 +129,7 @@ def eval_windows(corpus: Prepared, *, seq_len: int, global_batch: int, batches: 
     if len(windows) < need:
         raise ConfigError(
             f"eval needs {need} validation windows of {seq_len + 1} tokens (eval.batches={batches} x "
-            f"data.batch_size={global_batch}) but {corpus.source} holds out {len(windows)} "
+            f"data.batch_size={global_batch}) but {corpus.source} holds out only {len(windows)} "
             f"({corpus.n_val_tokens} tokens); lower eval.batches or hold out more (data.val_fraction, "
             f"prepare --val-fraction)")
     picks = (np.arange(need, dtype=np.int64) * len(windows)) // need
