@@ -147,9 +147,6 @@ def setup(cfg: Config) -> Worker:
     run_dir.mkdir(parents=True, exist_ok=True)
     setup_compile_cache(cfg.run.compile_cache)
     events = EventLog(run_dir / rundir.EVENTS, enabled=primary)
-    events.write("data_ready", seconds=data_s, dir=str(corpus.dir), source=corpus.source,
-                 tokenizer=corpus.meta["tokenizer"], vocab_size=corpus.vocab_size, n_tokens=corpus.n_tokens,
-                 n_val_tokens=corpus.n_val_tokens, fingerprint=corpus.fingerprint, prepared_now=corpus.fresh)
     rb = runbook.RunbookState.load(run_dir, cfg.optim)
     if "TRAINER_ATTEMPT" not in os.environ:  # unsupervised: this process is the session (the goodput ledger's unit)
         events.write("session_start", pid=os.getpid())
@@ -157,6 +154,9 @@ def setup(cfg: Config) -> Worker:
         rundir.atomic_write(run_dir / rundir.CONFIG, dump_yaml(runbook.softened_config(cfg, rb)))
     for c in changes:
         events.write("config_changed", change=c)
+    events.write("data_ready", seconds=data_s, dir=str(corpus.dir), source=corpus.source,
+                 tokenizer=corpus.meta["tokenizer"], vocab_size=corpus.vocab_size, n_tokens=corpus.n_tokens,
+                 n_val_tokens=corpus.n_val_tokens, fingerprint=corpus.fingerprint, prepared_now=corpus.fresh)
     mesh = mesh_lib.make_mesh(cfg.mesh)
     tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
     spec = state_lib.build(GPT(cfg.model), tx, mesh, seed=cfg.run.seed, seq_len=cfg.model.seq_len)
