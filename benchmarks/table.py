@@ -85,6 +85,10 @@ def _support(d: dict) -> list[str]:
         lines.append(f"- data: pipeline {f(dh.get('pipeline_tokens_per_s'))} tok/s vs trainer "
                      f"{f(dh.get('trainer_tokens_per_s'))}; at the 124M GPU shape {f(g.get('tokens_per_s'))} "
                      f"tok/s = {f(g.get('headroom_vs_modelled'))}x what 124M eats at 45% MFU on an H200 (modelled)")
+        if b := dh.get("gpu_124m_shape_bpe"):
+            prep = b["prepared"]
+            lines.append(f"- data on prepared BPE shards ({prep['tokenizer']}, {prep['dtype']}) at the 124M GPU shape:"
+                         f" {f(b.get('tokens_per_s'))} tok/s = {f(b.get('headroom_vs_modelled'))}x")
     if gc := d.get("goodput_chaos"):
         lines.append(f"- goodput: measured {f(gc.get('measured_goodput'))} vs predicted "
                      f"{f(gc.get('predicted_goodput'))} ({f(gc.get('failures'))} crashes, stall "

@@ -14,7 +14,7 @@ from conftest import ROOT, TINY, child_env, sets, summary
 import trainer
 
 BLOCKED = ("jax", "jaxlib", "flax", "optax", "orbax", "grain", "tensorstore")
-JAX_FREE_PACKAGES = ("supervise", "observe", "survival")
+JAX_FREE_PACKAGES = ("supervise", "observe", "survival", "corpus")
 # Importing a blocked package raises at once, wherever the import statement sits (a lazy one too).
 BLOCKER = f"""
 import importlib.abc, sys
@@ -37,7 +37,8 @@ def _cli(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def jax_free_modules() -> list[str]:
-    names = ["trainer.config", "trainer.__main__"]
+    top = [str(Path(trainer.__file__).parent)]  # config, yamltree, __main__: the top is jax-free too
+    names = [f"trainer.{m.name}" for m in pkgutil.iter_modules(top) if not m.ispkg]
     for pkg in JAX_FREE_PACKAGES:
         path = [str(Path(trainer.__file__).parent / pkg)]
         names += [f"trainer.{pkg}"] + [f"trainer.{pkg}.{m.name}" for m in pkgutil.iter_modules(path)]
@@ -61,6 +62,13 @@ def test_cli_without_jax_help_survival():
     assert out.returncode == 0 and "usage" in out.stdout, out.stderr[-2000:]
     out = _cli("survival", "--sweep", "--json")
     assert out.returncode == 0 and '"sweep"' in out.stdout, out.stderr[-2000:]
+
+
+def test_prepare_without_jax(tmp_path):
+    (tmp_path / "docs.jsonl").write_text("".join(f'{{"text": "document {i} " }}\n' * 3 for i in range(40)))
+    out = _cli("prepare", "--input", str(tmp_path / "docs.jsonl"), "--tokenizer", "bpe:300", "--out",
+               str(tmp_path / "prepared"))
+    assert out.returncode == 0 and (tmp_path / "prepared" / "meta.json").is_file(), out.stderr[-2000:]
 
 
 def test_supervisor_status_report_without_jax(tmp_path):

@@ -9,10 +9,12 @@ import argparse
 import difflib
 import os
 import sys
+import traceback
 
 from trainer.config import Config, ConfigError, load_config
 
 SUBCOMMANDS = {  # name: (module, one line for --help)
+    "prepare": ("trainer.corpus.prepare", "tokenize a corpus once into a prepared DIR (or import token files)"),
     "status": ("trainer.observe.status", "one-screen health summary of a running or finished run"),
     "report": ("trainer.observe.report", "PNG plots + report.md of a run, into RUN_DIR/report/"),
     "audit": ("trainer.observe.audit", "prove exactly-once data consumption from a run dir"),
@@ -61,10 +63,25 @@ def run_worker(cfg: Config) -> int:
     configure_devices(cfg)
     from trainer.core import distributed
 
-    distributed.initialize(cfg.launch, cpu=bool(cfg.mesh.cpu_devices))
+    me = distributed.initialize(cfg.launch, cpu=bool(cfg.mesh.cpu_devices))
     from trainer.core import loop
 
-    return loop.run(cfg)
+    if me.processes <= 1:
+        return loop.run(cfg)
+    try:
+        return loop.run(cfg)
+    except BaseException as e:
+        # One of several processes: a normal interpreter exit runs jax's atexit hook, whose
+        # jax.distributed.shutdown() waits at a barrier for peers that are stuck in a collective or in
+        # start-up waiting for this process (minutes, until the coordination service gives up). Say
+        # what went wrong and leave now: the launcher tears the peers down within a poll.
+        if isinstance(e, ConfigError):
+            print(f"error: {e}", file=sys.stderr)
+        else:
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2 if isinstance(e, ConfigError) else 1)
 
 
 def _unknown_command(word: str) -> int:

@@ -7,18 +7,11 @@ has to be decided before jax initialises.
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A user mistake in the config or its inputs; the CLI prints it as one line and exits 2."""
-
+from trainer.yamltree import ConfigError, build, read_yaml, set_dotted
 
 FROZEN_KEYS = ("model", "data.batch_size", "data.shuffle", "run.seed")  # changed, a checkpoint means nothing: no resume
 
@@ -56,14 +49,24 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = ""  # text file or directory; "" = embedded default corpus (Python stdlib source)
-    cache_dir: str = "~/.cache/trainer/data"  # where prepared token files live
+    path: str = ""  # prepared DIR, or raw text (file, directory, .jsonl, .parquet); "" = embedded stdlib corpus
+    cache_dir: str = "~/.cache/trainer/data"  # where raw text paths are prepared once (content-keyed)
+    tokenizer: str = "bytes"  # raw text only: bytes | bpe:N | path to a tokenizer.json | tiktoken:NAME
+    text_field: str = "text"  # raw text only: the field of .jsonl records / column of .parquet files
+    val_fraction: float = 0.02  # raw text only: share of whole documents held out for eval (fixed rule)
+    prepare_workers: int = 1  # raw text only: tokenizer processes when preparing (output does not depend on it)
     batch_size: int = 16  # global batch, in sequences
     shuffle: bool = True  # False = sequential window order (debugging)
     read_threads: int = 2
     prefetch: int = 4
     default_corpus_mb: float = 4.0  # size cap of the embedded default corpus
     audit: bool = False  # record the global sample ids of every step (data audit)
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 0  # held-out loss every N steps (0 = off); never changes training
+    batches: int = 8  # global batches of fixed validation windows per eval
 
 
 @dataclass
@@ -117,8 +120,8 @@ class IntegrityConfig:
 
 @dataclass
 class Fault:
-    kind: str  # crash | hang | crash_mid_save | slow | signal | ecc | nan | spike | bitflip
-    step: int
+    kind: str  # crash | hang | crash_mid_save | slow | signal | ecc | nan | spike | bitflip | startup
+    step: int  # startup: ignored (it fires while the worker starts, before any step)
     seconds: float = 0.0  # slow: extra seconds per step
     count: int = 1  # slow: how many steps; ecc: simulated ECC errors added per step from `step` on
     signal: str = "SIGKILL"  # signal: which one the worker sends itself
@@ -187,6 +190,7 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -199,114 +203,14 @@ class Config:
     faults: list[Fault] = field(default_factory=list)
 
 
-def _coerce(value: Any, typ: Any, key: str) -> Any:
-    """Convert a YAML/CLI value to the declared type, or raise ConfigError naming the key."""
-    origin = typing.get_origin(typ)
-    if origin is list:
-        (item_t,) = typing.get_args(typ)
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return [_coerce(v, item_t, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin in (typing.Union, types.UnionType):
-        return value
-    if dataclasses.is_dataclass(typ):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return _build(typ, value, key)
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{key}: expected true/false, got {value!r}")
-    if typ is int:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        try:
-            return int(value)
-        except ValueError:
-            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
-    if typ is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        try:
-            return float(value)
-        except ValueError:
-            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
-    if typ is str:
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return str(value)
-    raise AssertionError(f"unsupported config type {typ} at {key}")
-
-
-def _build(cls: type, values: dict, prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for k in values:
-        if k not in names:
-            where = f"{prefix}.{k}" if prefix else k
-            raise ConfigError(f"unknown config key '{where}' (known: {', '.join(sorted(names))})")
-    kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in values.items()}
-    try:
-        return cls(**kwargs)
-    except TypeError as e:
-        raise ConfigError(f"{prefix}: {e}") from None
-
-
-def _set_dotted(tree: dict, dotted: str) -> None:
-    if "=" not in dotted:
-        raise ConfigError(f"--set {dotted!r}: expected dotted.key=value")
-    key, raw = dotted.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--set {dotted}: the value is not valid YAML ({_yaml_cause(e)})") from None
-    parts = key.split(".")
-    node = tree
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"--set {key}: '{p}' is not a section")
-    node[parts[-1]] = value
-
-
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     """Defaults <- YAML diff <- dotted overrides, then validation."""
-    tree = _read_yaml(path) if path else {}
+    tree = read_yaml(path) if path else {}
     for o in overrides:
-        _set_dotted(tree, o)
-    cfg = _build(Config, tree, "")
+        set_dotted(tree, o)
+    cfg = build(Config, tree, "")
     validate(cfg)
     return cfg
-
-
-def _yaml_cause(e: yaml.YAMLError) -> str:
-    """PyYAML's own words for what is wrong and where (1-based), with the fix for the usual culprits."""
-    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None) or str(e).splitlines()[0]
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    hint = "; indent with spaces: YAML does not allow tabs" if "'\\t'" in problem else (
-        "; is it a YAML text file?" if isinstance(e, yaml.reader.ReaderError) else "")  # e.g. a NUL byte
-    return f"{where}{problem}{hint}"
-
-
-def _read_yaml(path: str) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--config {path} is a directory; pass a YAML file, e.g. configs/tiny.yaml" if p.is_dir()
-                          else f"config file not found: {path} (pass an existing YAML, e.g. configs/tiny.yaml)")
-    try:
-        tree = yaml.safe_load(p.read_bytes().decode("utf-8"))
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path} is not a UTF-8 text file (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
-                          f"pass a YAML config such as configs/tiny.yaml, saved as UTF-8") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({_yaml_cause(e)})") from None
-    if not isinstance(tree, dict | None):
-        raise ConfigError(f"{path}: top level must be a mapping of sections, like configs/tiny.yaml")
-    return tree or {}
 
 
 def _positive(cfg: Config, *keys: str, allow_zero: bool = False) -> None:
@@ -321,11 +225,11 @@ def _positive(cfg: Config, *keys: str, allow_zero: bool = False) -> None:
 def validate(cfg: Config) -> None:
     _positive(cfg, "model.vocab_size", "model.seq_len", "model.d_model", "model.n_layers", "checkpoint.mtbf_hours",
               "model.n_heads", "data.batch_size", "train.steps", "optim.lr", "optim.clip_norm",
-              "log.every_steps", "data.read_threads", "data.default_corpus_mb")
+              "log.every_steps", "data.read_threads", "data.default_corpus_mb", "data.prepare_workers", "eval.batches")
     _positive(cfg, "model.d_ff", "optim.warmup_steps", "train.stop_at_step", "checkpoint.every_steps",
               "checkpoint.keep_every", "checkpoint.auto_devices", "mesh.cpu_devices",
               "checkpoint.local_every_steps", "checkpoint.local_every_minutes", "integrity.replica_check_steps",
-              "log.peak_flops", "data.prefetch", "supervisor.max_restarts", allow_zero=True)
+              "log.peak_flops", "data.prefetch", "supervisor.max_restarts", "eval.every_steps", allow_zero=True)
     _positive(cfg, "checkpoint.keep_latest", "mesh.fsdp", "mesh.tensor",
               "supervisor.crash_loop_restarts", "supervisor.step_timeout_s", "supervisor.poll_s",
               "log.health_every_s", "alerts.grad_window", "alerts.grad_rise", "alerts.throughput_window",

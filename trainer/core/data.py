@@ -1,4 +1,5 @@
-"""Corpus preparation (text -> flat byte-token file) and the grain pipeline that feeds steps.
+"""The grain pipeline that feeds steps from a prepared DIR's memory-mapped shards, and the fixed
+validation windows of the held-out eval. Preparing the data is trainer.corpus (jax-free).
 
 Data order contract: step k consumes data batch b(k) (the k-th batch index not on the skip list);
 global sample g = b * global_batch + j maps to window shuffle(seed)(g) with a fresh permutation per
@@ -8,137 +9,63 @@ function of (seed, step, skip list) and does not depend on how many processes re
 
 from __future__ import annotations
 
-import hashlib
-import sysconfig
-from dataclasses import dataclass
 from pathlib import Path
 
 import grain
 import numpy as np
 
 from trainer.config import ConfigError, DataConfig
-from trainer.observe.rundir import atomic_write, read_json, write_json
+from trainer.corpus import cache
+from trainer.corpus.shards import Prepared
 
-TOKENIZER = "bytes+eos"  # ids 0..255 are bytes, 256 separates documents
-EOS = 256
-TOKENIZER_VOCAB = 257
-TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl")
-TOKEN_DTYPE = np.uint16
+Corpus = Prepared
 
 
-@dataclass(frozen=True)
-class Corpus:
-    tokens_path: Path
-    n_tokens: int
-    fingerprint: str  # sha256 of the token bytes: identifies the data a checkpoint was trained on
-    source: str
-
-
-def _documents(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
-    if not files:
-        raise ConfigError(f"data.path {path}: no {'/'.join(TEXT_SUFFIXES)} files inside")
-    return files
-
-
-def _default_corpus_files(cap_mb: float) -> tuple[str, list[Path]]:
-    """The standard library's own .py sources: present wherever Python is, never downloaded."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        p for p in stdlib.rglob("*.py")
-        if "site-packages" not in p.parts and "test" not in p.parts and "tests" not in p.parts
-    )
-    chosen, total = [], 0
-    for p in files:
-        size = p.stat().st_size
-        if total + size > cap_mb * 1e6:
-            break
-        chosen.append(p)
-        total += size
-    return f"python-stdlib:{stdlib}", chosen
-
-
-def _encode(files: list[Path]) -> np.ndarray:
-    parts = []
-    for f in files:
-        parts.append(np.frombuffer(f.read_bytes(), dtype=np.uint8).astype(TOKEN_DTYPE))
-        parts.append(np.array([EOS], dtype=TOKEN_DTYPE))
-    return np.concatenate(parts)
-
-
-def _cached_meta(cache: Path) -> dict | None:
-    """The cache entry's meta.json if it and tokens.bin agree; None (tokenize again) when either is
-    missing or damaged: the entry is ours, rebuilt from the text rather than trusted."""
-    meta = read_json(cache / "meta.json")
-    tokens = cache / "tokens.bin"
-    ok = (meta is not None and isinstance(meta.get("n_tokens"), int) and isinstance(meta.get("fingerprint"), str)
-          and isinstance(meta.get("source"), str) and tokens.is_file()
-          and tokens.stat().st_size == meta["n_tokens"] * np.dtype(TOKEN_DTYPE).itemsize)
-    return meta if ok else None
-
-
-def prepare(cfg: DataConfig, *, min_tokens: int = 1) -> Corpus:
-    """Tokenize the configured text once into a cache keyed by its content; reuse it afterwards. A corpus
-    under `min_tokens` (one training window) is refused before anything is written."""
-    if cfg.path:
-        src = Path(cfg.path).expanduser()
-        if not src.exists():
-            raise ConfigError(f"data.path not found: {cfg.path} (point it at a text file or directory)")
-        source, files = str(src.resolve()), _documents(src)
-    else:
-        source, files = _default_corpus_files(cfg.default_corpus_mb)
-    # Key the cache by file names, sizes and mtimes so an unchanged corpus is not re-read.
-    h = hashlib.sha256(TOKENIZER.encode())
-    for f in files:
-        st = f.stat()
-        h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}\n".encode())
-    cache = Path(cfg.cache_dir).expanduser() / h.hexdigest()[:16]
-    meta_path = cache / "meta.json"
-    if (meta := _cached_meta(cache)) is None:
-        tokens = _encode(files)
-        _check_length(int(tokens.size), min_tokens, source)
-        cache.mkdir(parents=True, exist_ok=True)
-        atomic_write(cache / "tokens.bin", tokens.tobytes())
-        meta = {
-            "tokenizer": TOKENIZER,
-            "vocab_size": TOKENIZER_VOCAB,
-            "dtype": np.dtype(TOKEN_DTYPE).name,
-            "n_tokens": int(tokens.size),
-            "n_files": len(files),
-            "fingerprint": hashlib.sha256(tokens.tobytes()).hexdigest(),
-            "source": source,
-        }
-        write_json(meta_path, meta)
-    _check_length(meta["n_tokens"], min_tokens, source)
-    return Corpus(cache / "tokens.bin", meta["n_tokens"], meta["fingerprint"], meta["source"])
-
-
-def _check_length(n_tokens: int, min_tokens: int, source: str) -> None:
-    if n_tokens < min_tokens:
-        raise ConfigError(f"data.path {source}: {n_tokens} tokens, shorter than one training window of {min_tokens} "
-                          f"(model.seq_len + 1); point data.path at more text or lower model.seq_len")
+def prepare(cfg: DataConfig, *, process: int = 0, min_tokens: int = 1) -> Prepared:
+    """data.path as prepared data: a prepared DIR as it is, raw text prepared once into the cache (by
+    process 0 of a group; the others wait for it). Fewer than `min_tokens` training tokens (one window)
+    is refused, for raw text before the cache is written when its size already says so."""
+    return cache.ensure(cfg, process=process, min_tokens=min_tokens)
 
 
 class TokenWindows(grain.sources.RandomAccessDataSource):
-    """Non-overlapping windows of seq_len + 1 tokens (inputs and next-token targets)."""
+    """Non-overlapping windows of seq_len + 1 tokens (inputs and next-token targets) over one split's
+    shards read as one token stream: a window may span two shards, and the windows do not depend on
+    how the split was cut into files."""
 
-    def __init__(self, tokens_path: Path, seq_len: int):
-        self._path, self._seq_len = str(tokens_path), seq_len
-        self._tokens = np.memmap(self._path, dtype=TOKEN_DTYPE, mode="r")
-        self._n = (self._tokens.size - 1) // seq_len
+    def __init__(self, shards: list[tuple[Path, int]], dtype: str, seq_len: int):
+        self._shards, self._dtype, self._seq_len = [(Path(p), n) for p, n in shards], dtype, seq_len
+        self._ends = np.cumsum([n for _, n in self._shards], dtype=np.int64)
+        self._maps: list[np.memmap | None] = [None] * len(self._shards)  # opened on first read
+        total = int(self._ends[-1]) if self._shards else 0
+        self._n = max(total - 1, 0) // seq_len
+
+    @classmethod
+    def of(cls, corpus: Prepared, seq_len: int, split: str = "train") -> TokenWindows:
+        return cls(corpus.shards(split), corpus.dtype, seq_len)
 
     def __len__(self) -> int:
         return self._n
 
+    def _map(self, k: int) -> np.memmap:
+        if self._maps[k] is None:
+            self._maps[k] = np.memmap(self._shards[k][0], dtype=self._dtype, mode="r")
+        return self._maps[k]
+
     def __getitem__(self, i: int) -> np.ndarray:
-        i = i % self._n
-        start = i * self._seq_len
-        return np.asarray(self._tokens[start : start + self._seq_len + 1], dtype=np.int32)
+        start = (i % self._n) * self._seq_len
+        stop = start + self._seq_len + 1
+        k = int(np.searchsorted(self._ends, start, side="right"))
+        parts = []
+        while start < stop:
+            first = int(self._ends[k - 1]) if k else 0
+            take = min(stop, int(self._ends[k])) - start
+            parts.append(self._map(k)[start - first : start - first + take])
+            start, k = start + take, k + 1
+        return np.concatenate(parts).astype(np.int32)
 
     def __reduce__(self):  # memmaps do not pickle; reopen in the reader
-        return (TokenWindows, (Path(self._path), self._seq_len))
+        return (TokenWindows, (self._shards, self._dtype, self._seq_len))
 
 
 def batch_index(step: int, skips: list[int]) -> int:
@@ -168,12 +95,12 @@ class StepPlan(grain.sources.RandomAccessDataSource):
         return batch_index(k, self._skips) * self._global_batch + self._rows
 
 
-def make_iterator(cfg: DataConfig, *, corpus: Corpus, seq_len: int, steps: int, seed: int,
+def make_iterator(cfg: DataConfig, *, corpus: Prepared, seq_len: int, steps: int, seed: int,
                   process: int, processes: int, skips: list[int]):
     """A checkpointable grain iterator over this process's slice of each step's global batch."""
     if cfg.batch_size % processes:
         raise ConfigError(f"data.batch_size ({cfg.batch_size}) must divide evenly over {processes} processes")
-    windows = TokenWindows(corpus.tokens_path, seq_len)
+    windows = TokenWindows.of(corpus, seq_len)
     if len(windows) < 1:
         raise ConfigError(f"corpus {corpus.source} is shorter than one window of {seq_len + 1} tokens")
     # Sample g reads window order[g] (a fresh permutation per epoch); elements carry it for the data audit.
@@ -191,3 +118,21 @@ def make_iterator(cfg: DataConfig, *, corpus: Corpus, seq_len: int, steps: int, 
     batches = plan.map(read)
     opts = grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=cfg.prefetch)
     return iter(batches.to_iter_dataset(opts))
+
+
+def eval_windows(corpus: Prepared, *, seq_len: int, global_batch: int, batches: int, process: int,
+                 processes: int) -> np.ndarray:
+    """This process's rows of the fixed eval batches, [batches, B/P, seq_len + 1]: `batches` x `global_batch`
+    validation windows spread evenly over the validation split, sharded over processes like training rows."""
+    windows = TokenWindows.of(corpus, seq_len, "val")
+    need = batches * global_batch
+    if len(windows) < need:
+        raise ConfigError(
+            f"eval needs {need} validation windows of {seq_len + 1} tokens (eval.batches={batches} x "
+            f"data.batch_size={global_batch}) but {corpus.source} holds out only {len(windows)} "
+            f"({corpus.n_val_tokens} tokens); lower eval.batches or hold out more (data.val_fraction, "
+            f"prepare --val-fraction)")
+    picks = (np.arange(need, dtype=np.int64) * len(windows)) // need
+    per = global_batch // processes
+    rows = picks.reshape(batches, global_batch)[:, process * per:(process + 1) * per]
+    return np.stack([np.stack([windows[int(i)] for i in row]) for row in rows])

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from trainer.config import Config, to_dict
-from trainer.core import checkpoint, data, integrity, optim
+from trainer.core import checkpoint, data, evaluate, integrity, optim
 from trainer.core import mesh as mesh_lib
 from trainer.core.model import flops_per_token
 from trainer.core.state import params_sha256
@@ -72,8 +72,9 @@ def run(cfg: Config) -> int:
     it.set_state({"next_index": start})
     audit = _audit_log(w, start) if cfg.data.audit else None
     step_fn = _compile(w, start)
+    ev = evaluate.build(w)  # compiled now too: the first eval is no slow step
     w.events.write("worker_ready", step=start, startup_s=time.time() - t_start, pid=os.getpid())
-    code = _train(w, flags, step_fn, it, audit, st, start)
+    code = _train(w, flags, step_fn, it, audit, st, start, ev)
     w.events.close()
     w.scalars.close()
     if "TRAINER_ATTEMPT" not in os.environ:  # unsupervised: no one else will tidy up, report or say the end
@@ -115,7 +116,7 @@ def _restore_or_init(w: Worker):
 
 
 def _audit_log(w: Worker, start: int) -> AuditLog:
-    windows = len(data.TokenWindows(w.corpus.tokens_path, w.cfg.model.seq_len))
+    windows = len(data.TokenWindows.of(w.corpus, w.cfg.model.seq_len))
     return AuditLog(w.run_dir, process=jax.process_index(), processes=jax.process_count(), start=start,
                     skips=w.skips, global_batch=w.cfg.data.batch_size, epoch_windows=windows)
 
@@ -144,7 +145,8 @@ def _agree(flags: list[bool]) -> list[bool]:
     return [bool(v) for v in np.max(gathered.reshape(-1, len(flags)), axis=0)]
 
 
-def _train(w: Worker, flags: Flags, step_fn, it, audit: AuditLog | None, st, start: int) -> int:
+def _train(w: Worker, flags: Flags, step_fn, it, audit: AuditLog | None, st, start: int,
+           ev: evaluate.Evaluator | None) -> int:
     cfg = w.cfg
     bsh = mesh_lib.batch_sharding(w.mesh)
     stop_at = cfg.train.stop_at_step or cfg.train.steps
@@ -166,6 +168,8 @@ def _train(w: Worker, flags: Flags, step_fn, it, audit: AuditLog | None, st, sta
         st, m = step_fn(st, batch)
         step += 1
         log.dispatched(step, m, data_wait)  # emits the previous step's metrics: they are ready by now
+        if ev is not None and step % cfg.eval.every_steps == 0:
+            log.eval_s = _eval(w, ev, st, step)
         periodic, timed = policy.due(step)
         to_local, local_timed = w.ckpt.local_due(step)
         spike, stop, asked, timed, flags.hold, local_timed, failed = _agree(
@@ -287,6 +291,14 @@ def _bitflip(st, step: int):
     return st
 
 
+def _eval(w: Worker, ev: evaluate.Evaluator, st, step: int) -> float:
+    """The held-out loss after `step` updates: event `eval` and TensorBoard loss/eval."""
+    r = ev.run(st["params"])
+    w.events.write("eval", step=step, **r)
+    w.scalars.add(step, {"loss/eval": r["loss"], "loss/eval_perplexity": r["perplexity"]})
+    return r["seconds"]
+
+
 def _spike_exit(w: Worker, flags: Flags) -> int:
     """Leave without saving: the state after a spike is what the runbook rewinds away from."""
     spike = flags.spike or {}
@@ -309,13 +321,14 @@ class _StepLog:
         self.progress = Progress(cfg.train.steps, cfg.log.progress and w.primary)
         self.pending = None  # (step, metrics on device, data wait s)
         self.ckpt_s = 0.0  # blocking seconds of a save right after the pending step
+        self.eval_s = 0.0  # seconds of an eval right after the pending step (left out of its tokens/s)
         self.t_prev = time.perf_counter()
         self.loss: float | None = None  # None: no step ran in this attempt
 
     def dispatched(self, step: int, m, data_wait: float) -> None:
         if self.pending:
             self._emit(*self.pending)
-        self.pending, self.ckpt_s = (step, m, data_wait), 0.0
+        self.pending, self.ckpt_s, self.eval_s = (step, m, data_wait), 0.0, 0.0
 
     def flush(self) -> float:
         if self.pending:
@@ -329,8 +342,10 @@ class _StepLog:
         m = {k: float(v) for k, v in jax.device_get(m).items()}
         now = time.perf_counter()
         dt, self.t_prev = now - self.t_prev, now
-        tps = self.tokens_per_step / dt
+        tps = self.tokens_per_step / max(dt - self.eval_s, 1e-9)
         rec = dict(m, tokens_per_s=tps, step_s=dt, data_wait_s=data_wait, ckpt_block_s=ckpt_s)
+        if self.eval_s:
+            rec["eval_s"] = self.eval_s
         if self.peak:
             rec["mfu"] = tps * self.flops_per_token / self.peak
         w.events.write("step", step=step, **rec)

@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import os
+import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from trainer.config import FROZEN_KEYS, Config, ConfigError, dump_yaml, to_dict
 from trainer.core import data, optim, tiers
@@ -47,6 +49,7 @@ class Worker:
     hyperparams: dict[str, float]  # the runbook's lr_scale, clip_norm, b2 (runbook.json)
     n_params: int
     replicas: ReplicaCheck | None  # integrity.replica_check_steps > 0: compares data-parallel copies of the params
+    eval_windows: np.ndarray | None  # this process's rows of the fixed eval batches (None: eval off)
     # Observers of each step's metrics: objects with on_step(step, rec) -> action dict | None.
     monitors: list = dataclasses.field(default_factory=list)
 
@@ -86,11 +89,13 @@ def check_resume(saved: dict, cfg: Config, fingerprint: str) -> list[str]:
     return changes
 
 
-def validate_shapes(cfg: Config, mesh_shape: tuple[int, int, int], processes: int) -> None:
+def validate_shapes(cfg: Config, mesh_shape: tuple[int, int, int], processes: int, corpus: data.Corpus) -> None:
     data_par, _, tensor = mesh_shape
-    if cfg.model.vocab_size < data.TOKENIZER_VOCAB:
+    if cfg.model.vocab_size < corpus.vocab_size:
         raise ConfigError(
-            f"model.vocab_size ({cfg.model.vocab_size}) must be >= {data.TOKENIZER_VOCAB} (byte tokenizer)")
+            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's vocabulary "
+            f"({corpus.vocab_size}, {corpus.meta['tokenizer']} in {corpus.dir}); set model.vocab_size >= "
+            f"{corpus.vocab_size}")
     for key, v in (("model.vocab_size", cfg.model.vocab_size), ("model.n_heads", cfg.model.n_heads),
                    ("model.d_ff", cfg.model.d_ff or 4 * cfg.model.d_model)):
         if v % tensor:
@@ -111,12 +116,23 @@ def versions() -> dict:
     return out
 
 
+def _load_data(cfg: Config) -> tuple[data.Corpus, np.ndarray | None, float]:
+    """The prepared data (a raw path is prepared once per group), this process's eval windows (None: eval
+    off) and the seconds it took."""
+    t0 = time.perf_counter()
+    corpus = data.prepare(cfg.data, process=jax.process_index(), min_tokens=cfg.model.seq_len + 1)
+    windows = None if not cfg.eval.every_steps else data.eval_windows(
+        corpus, seq_len=cfg.model.seq_len, global_batch=cfg.data.batch_size, batches=cfg.eval.batches,
+        process=jax.process_index(), processes=jax.process_count())
+    return corpus, windows, time.perf_counter() - t0
+
+
 def setup(cfg: Config) -> Worker:
     """Validate everything that can be wrong before the first write to the run dir, then build."""
     run_dir = Path(cfg.run.dir)
-    corpus = data.prepare(cfg.data, min_tokens=cfg.model.seq_len + 1)
+    corpus, eval_windows, data_s = _load_data(cfg)
     shape = mesh_lib.mesh_shape(cfg.mesh, jax.device_count())
-    validate_shapes(cfg, shape, jax.process_count())
+    validate_shapes(cfg, shape, jax.process_count(), corpus)
     saved = tiers.saved_meta(run_dir, cfg.checkpoint)
     changes = check_resume(saved, cfg, corpus.fingerprint) if saved else []
 
@@ -131,23 +147,29 @@ def setup(cfg: Config) -> Worker:
         rundir.atomic_write(run_dir / rundir.CONFIG, dump_yaml(runbook.softened_config(cfg, rb)))
     for c in changes:
         events.write("config_changed", change=c)
+    events.write("data_ready", seconds=data_s, dir=str(corpus.dir), source=corpus.source,
+                 tokenizer=corpus.meta["tokenizer"], vocab_size=corpus.vocab_size, n_tokens=corpus.n_tokens,
+                 n_val_tokens=corpus.n_val_tokens, fingerprint=corpus.fingerprint, prepared_now=corpus.fresh)
     mesh = mesh_lib.make_mesh(cfg.mesh)
     tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
     spec = state_lib.build(GPT(cfg.model), tx, mesh, seed=cfg.run.seed, seq_len=cfg.model.seq_len)
     scalars = Writer(run_dir / rundir.TENSORBOARD, enabled=primary and cfg.log.tensorboard)
     if primary and not saved:
         scalars.text("config", "```\n" + dump_yaml(cfg) + "\n```")
-        scalars.hparams(to_dict(cfg), metric_tags=("loss/train", "throughput/tokens_per_s", "throughput/mfu"))
+        scalars.hparams(to_dict(cfg), metric_tags=("loss/train", "loss/eval", "throughput/tokens_per_s",
+                                                   "throughput/mfu"))
     pins = lambda steps: runbook.retention_pins(  # noqa: E731
         steps, window=cfg.runbook.window if cfg.runbook.enabled else None, pinned=rb.pinned)
     faults = FaultInjector(cfg.faults, run_dir, enabled=primary)
+    faults.at_startup()
     w = Worker(
         cfg=cfg, run_dir=run_dir, primary=primary, corpus=corpus, mesh=mesh, spec=spec,
         ckpt=tiers.Tiers(run_dir, cfg.checkpoint, log=events.write, pinned=pins,
                          rewinds=[h["to"] for h in rb.history if h["action"] in ("skip", "soften")]),
-        events=events, scalars=scalars, heartbeat=Heartbeat(run_dir, jax.process_index()), faults=faults,
-        skips=rb.skips, hyperparams=rb.hyperparams(), n_params=state_lib.param_count(spec.abstract),
+        events=events, scalars=scalars, heartbeat=Heartbeat(run_dir, jax.process_index(), data=corpus.fingerprint),
+        faults=faults, skips=rb.skips, hyperparams=rb.hyperparams(), n_params=state_lib.param_count(spec.abstract),
         replicas=ReplicaCheck(mesh, spec.abstract["params"]) if cfg.integrity.replica_check_steps else None,
+        eval_windows=eval_windows,
     )
     # Dashboard: grad-norm trend, throughput drop, hardware health (ECC rising -> checkpoint now), markers.
     w.monitors.extend(alerts.build(cfg, run_dir=run_dir, events=events, scalars=scalars, faults=faults))

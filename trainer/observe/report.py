@@ -96,6 +96,10 @@ def _alert_spans(ax, events: list[dict], kind: str, colour: str) -> None:
 def plot_loss(v: status.RunView, plt, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     drawn = _series(ax, _attempts(v.events), "loss", label="train loss", colour="tab:blue")
+    if evals := status.latest_evals(v.events):
+        xs = sorted(evals)
+        ax.plot(xs, [evals[k]["loss"] for k in xs], "o-", color="tab:orange", lw=1.5, ms=4,
+                label="eval loss (held out)")
     _markers(ax, v.events)
     ax.set_ylabel("loss")
     ax.set_title(f"Loss ({drawn} attempts; dashed = a later attempt's steps)" if drawn > 1 else "Loss")

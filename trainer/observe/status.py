@@ -177,6 +177,24 @@ def _loss_lines(v: RunView, steps: dict[int, dict]) -> list[str]:
     return lines
 
 
+def latest_evals(events: list[dict]) -> dict[int, dict]:
+    """step -> the `eval` event of the run's current history (a recomputed step's eval replaces the first)."""
+    return {e["step"]: e for e in events if e["event"] == "eval"}
+
+
+def _eval_line(v: RunView) -> list[str]:
+    evals = latest_evals(v.events)
+    if not evals:
+        return []
+    steps = sorted(evals)
+    last = evals[steps[-1]]
+    line = f"eval      loss {last['loss']:.4f} (perplexity {last['perplexity']:.4g}) at step {steps[-1]}"
+    if len(steps) > 1:
+        prev = evals[steps[-2]]
+        line += f"   {'down' if last['loss'] < prev['loss'] else 'UP'} from {prev['loss']:.4f} at step {steps[-2]}"
+    return [line + f"   [held out; {len(steps)} evals]"]
+
+
 def _progress_line(v: RunView, steps: dict[int, dict], live: bool) -> str:
     total = v.cfg.train.steps
     step = max(steps) if steps else 0
@@ -245,7 +263,7 @@ def render(v: RunView) -> str:
     head = f"run {v.run_dir}   {state}"
     if "params_sha256" in v.summary and not live:
         head += f"   final loss {fmt_loss(v.summary.get('final_loss'))}"
-    lines = [head, _progress_line(v, steps, live), *_loss_lines(v, steps), *_ops_lines(v, live),
+    lines = [head, _progress_line(v, steps, live), *_loss_lines(v, steps), *_eval_line(v), *_ops_lines(v, live),
              *_alert_lines(v, live), _health_line(v), *(f"note      {p}" for p in v.problems)]
     return "\n".join(lines)
 

@@ -15,7 +15,11 @@ from pathlib import Path
 from trainer.config import Fault
 from trainer.observe.rundir import write_json
 
-KINDS = ("crash", "hang", "crash_mid_save", "slow", "signal", "ecc", "nan", "spike", "bitflip")
+KINDS = ("crash", "hang", "crash_mid_save", "slow", "signal", "ecc", "nan", "spike", "bitflip", "startup")
+
+
+class InjectedStartupError(RuntimeError):
+    """The `startup` fault: an exception while a worker starts, as a corrupt input or a race would raise."""
 CRASH_EXIT = 13
 
 
@@ -42,6 +46,13 @@ class FaultInjector:
         if not self._writer:
             return
         write_json(self._path, sorted(self._fired), durable=True, indent=None)
+
+    def at_startup(self) -> None:
+        """Called once while the worker starts, before its first heartbeat: the `startup` fault raises."""
+        for i, f in self._faults:
+            if f.kind == "startup" and i not in self._fired:
+                self._record(f)
+                raise InjectedStartupError(f"injected fault: start-up failure (faults[{i}])")
 
     def before_step(self, step: int) -> None:
         """Called with the step about to run."""

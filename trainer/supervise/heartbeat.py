@@ -27,15 +27,17 @@ def heartbeat_path(run_dir: Path, process: int) -> Path:
 
 
 class Heartbeat:
-    def __init__(self, run_dir: Path, process: int):
+    def __init__(self, run_dir: Path, process: int, *, data: str = ""):
         self.path = heartbeat_path(run_dir, process)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.data = data  # the fingerprint of the data this process reads: every process's is on record
 
     def beat(self, phase: str, step: int) -> None:
         # "launch" names the attempt (set by the supervisor), so a stale file from an old attempt never counts.
         try:
             write_json(self.path, {"phase": phase, "step": step, "time": time.time(), "pid": os.getpid(),
-                                   "launch": os.environ.get("TRAINER_LAUNCH_ID", "")}, indent=None)
+                                   "launch": os.environ.get("TRAINER_LAUNCH_ID", ""), "data": self.data},
+                       indent=None)
         except OSError as e:  # a full disk: the last beat stays; a real hang is still caught by its age
             if e.errno not in NO_SPACE:
                 raise

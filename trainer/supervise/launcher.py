@@ -22,9 +22,13 @@ from trainer.config import ConfigError, LaunchConfig
 from trainer.supervise import exit_codes, membership
 
 PR_SET_PDEATHSIG = 1
-# Exits the worker chose (its peers follow within moments); anything else means the group is broken.
+# Exits the worker chose (under SLURM: its node is not suspect); anything else means the group is broken.
 CONTROLLED = (exit_codes.OK, exit_codes.CONFIG, exit_codes.PREEMPTED, exit_codes.SPIKE, exit_codes.REPLICA_MISMATCH,
               exit_codes.STORAGE)
+# Exits every process makes at the same step, so the peers follow by themselves (within exit_grace_s).
+# A CONFIG exit is not one: it may be one process's start-up failure while the others wait for it; nor is a
+# STORAGE exit: the process whose save failed leaves at once.
+PEERS_FOLLOW = (exit_codes.OK, exit_codes.PREEMPTED, exit_codes.SPIKE, exit_codes.REPLICA_MISMATCH)
 ENV_LAUNCH_ID = "TRAINER_LAUNCH_ID"  # workers put it in their heartbeats: stale files of old attempts never match
 
 
@@ -130,7 +134,7 @@ class LocalGroup(Group):
                 self._exits.append((i, p.returncode))
                 self._first_exit_t = self._first_exit_t or time.monotonic()
         causes = [c for i, c in self._exits if i not in self._killed]
-        broken = [c for c in causes if c not in CONTROLLED]
+        broken = [c for c in causes if c not in PEERS_FOLLOW]
         late = causes and time.monotonic() - self._first_exit_t > self._grace_s
         if (broken or late) and len(self._exits) < self.processes:
             # A peer is gone: the others would wait in their next collective forever. Kill them now.
