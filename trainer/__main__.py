@@ -9,9 +9,12 @@ import argparse
 import difflib
 import os
 import sys
+import time
 import traceback
 
 from trainer.config import Config, ConfigError, load_config
+
+PEER_DEATH_GRACE_S = 3.0  # see run_worker
 
 SUBCOMMANDS = {  # name: (module, one line for --help)
     "prepare": ("trainer.corpus.prepare", "tokenize a corpus once into a prepared DIR (or import token files)"),
@@ -81,6 +84,10 @@ def run_worker(cfg: Config) -> int:
             traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
+        if loop.TRAINING and not isinstance(e, ConfigError):
+            # In training, a collective usually raises here because a peer died (killed, lost its node). Let
+            # the peer's death be seen first, so the launcher blames (and SLURM replaces) the right node.
+            time.sleep(PEER_DEATH_GRACE_S)
         os._exit(2 if isinstance(e, ConfigError) else 1)
 
 

@@ -33,6 +33,7 @@ from trainer.supervise import exit_codes
 
 absl.logging.set_verbosity(absl.logging.ERROR)  # Orbax's info/warnings would drown the progress line
 _STACKS_FILE = None
+TRAINING = False  # past start-up: an exception now is more likely a peer's death seen through a collective
 
 
 @dataclasses.dataclass
@@ -74,6 +75,8 @@ def run(cfg: Config) -> int:
     step_fn = _compile(w, start)
     ev = evaluate.build(w)  # compiled now too: the first eval is no slow step
     w.events.write("worker_ready", step=start, startup_s=time.time() - t_start, pid=os.getpid())
+    global TRAINING
+    TRAINING = True
     code = _train(w, flags, step_fn, it, audit, st, start, ev)
     w.events.close()
     w.scalars.close()
