@@ -33,7 +33,7 @@ def test_bf16_compute_and_remat_train_to_finite_losses():
     tokens = jax.random.randint(jax.random.key(2), (4, CFG.seq_len + 1), 0, 256)
     losses = {}
     for name, cfg in {"fp32": CFG, "bf16": ModelConfig(**{**CFG.__dict__, "compute_dtype": "bfloat16"}),
-                      "remat": ModelConfig(**{**CFG.__dict__, "remat": True})}.items():
+                      "remat": ModelConfig(**{**CFG.__dict__, "remat": "full"})}.items():
         model, params = _init(cfg)
 
         def loss_fn(p, m=model):

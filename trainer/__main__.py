@@ -20,6 +20,7 @@ SUBCOMMANDS = {  # name: (module, one line for --help)
     "audit": ("trainer.observe.audit", "prove exactly-once data consumption from a run dir"),
     "survival": ("trainer.survival.cli", "run-survival simulator: price the checkpoint interval"),
     "checkpoints": ("trainer.observe.checkpoints", "list a run's checkpoints (both tiers); --verify re-checks them"),
+    "inspect": ("trainer.core.inspect", "compile a config's step without training: bytes, collectives, FLOPs"),
 }
 COMMANDS_HELP = "commands:\n" + "\n".join(
     [f"  {'--config FILE':<16}train (supervised; --worker: one unsupervised worker); re-run to resume"]

@@ -23,7 +23,7 @@ from trainer.core import checkpoint, data, evaluate, integrity, optim
 from trainer.core import mesh as mesh_lib
 from trainer.core.model import flops_per_token
 from trainer.core.state import params_sha256
-from trainer.core.step import make_train_step
+from trainer.core.step import lower_train_step
 from trainer.core.worker import Worker, setup, versions
 from trainer.observe import outcome, rundir
 from trainer.observe.audit import AuditLog
@@ -123,14 +123,10 @@ def _audit_log(w: Worker, start: int) -> AuditLog:
 
 def _compile(w: Worker, start: int):
     """The train step compiled ahead of time (a cache hit on restart), shardings fixed."""
-    cfg = w.cfg
-    bsh = mesh_lib.batch_sharding(w.mesh)
-    step_fn = make_train_step(w.spec, bsh, mesh_lib.replicated(w.mesh), optim.schedule(cfg.optim, cfg.train.steps))
     w.heartbeat.beat("compile", start)
     t0 = time.perf_counter()
-    tokens_shape = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.model.seq_len + 1), np.int32, sharding=bsh)
-    compiled = step_fn.lower(w.spec.abstract, tokens_shape).compile()
-    w.events.write("compiled", step=start, seconds=time.perf_counter() - t0)
+    compiled = lower_train_step(w.spec, w.mesh, w.cfg, microbatches=w.microbatches).compile()
+    w.events.write("compiled", step=start, seconds=time.perf_counter() - t0, microbatches=w.microbatches)
     return compiled
 
 

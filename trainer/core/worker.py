@@ -50,6 +50,7 @@ class Worker:
     n_params: int
     replicas: ReplicaCheck | None  # integrity.replica_check_steps > 0: compares data-parallel copies of the params
     eval_windows: np.ndarray | None  # this process's rows of the fixed eval batches (None: eval off)
+    microbatches: int  # train.microbatches, raised when the group shrank (elastic_microbatches)
     # Observers of each step's metrics: objects with on_step(step, rec) -> action dict | None.
     monitors: list = dataclasses.field(default_factory=list)
 
@@ -89,9 +90,19 @@ def check_resume(saved: dict, cfg: Config, fingerprint: str) -> list[str]:
     return changes
 
 
-def validate_shapes(cfg: Config, mesh_shape: tuple[int, int, int], processes: int, corpus: data.Corpus) -> None:
+def elastic_microbatches(cfg: Config, processes: int) -> int:
+    """train.microbatches, times the factor by which the group shrank below launch.processes (the launcher
+    shrinks only to a divisor): same global batch, same per-device batch, more slices per step."""
+    if processes < cfg.launch.processes and cfg.launch.processes % processes == 0:
+        return cfg.train.microbatches * (cfg.launch.processes // processes)
+    return cfg.train.microbatches
+
+
+def validate_shapes(cfg: Config, mesh_shape: tuple[int, int, int], processes: int, microbatches: int,
+                    corpus: data.Corpus | None) -> None:
+    """Shapes the mesh and batch must divide; `corpus` None: sizing a run without its data (inspect)."""
     data_par, _, tensor = mesh_shape
-    if cfg.model.vocab_size < corpus.vocab_size:
+    if corpus is not None and cfg.model.vocab_size < corpus.vocab_size:
         raise ConfigError(
             f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's vocabulary "
             f"({corpus.vocab_size}, {corpus.meta['tokenizer']} in {corpus.dir}); set model.vocab_size >= "
@@ -104,6 +115,10 @@ def validate_shapes(cfg: Config, mesh_shape: tuple[int, int, int], processes: in
     if cfg.data.batch_size % shards or cfg.data.batch_size % processes:
         raise ConfigError(f"data.batch_size ({cfg.data.batch_size}) must be divisible by data x fsdp ({shards})"
                           f" and by the process count ({processes})")
+    if (cfg.data.batch_size // shards) % microbatches:
+        raise ConfigError(f"data.batch_size / (data x fsdp) = {cfg.data.batch_size // shards} sequences per device"
+                          f" must be divisible by train.microbatches ({microbatches}"
+                          f"{', raised for the shrunk group' if microbatches != cfg.train.microbatches else ''})")
 
 
 def versions() -> dict:
@@ -132,7 +147,8 @@ def setup(cfg: Config) -> Worker:
     run_dir = Path(cfg.run.dir)
     corpus, eval_windows, data_s = _load_data(cfg)
     shape = mesh_lib.mesh_shape(cfg.mesh, jax.device_count())
-    validate_shapes(cfg, shape, jax.process_count(), corpus)
+    microbatches = elastic_microbatches(cfg, jax.process_count())
+    validate_shapes(cfg, shape, jax.process_count(), microbatches, corpus)
     saved = tiers.saved_meta(run_dir, cfg.checkpoint)
     changes = check_resume(saved, cfg, corpus.fingerprint) if saved else []
 
@@ -169,7 +185,7 @@ def setup(cfg: Config) -> Worker:
         events=events, scalars=scalars, heartbeat=Heartbeat(run_dir, jax.process_index(), data=corpus.fingerprint),
         faults=faults, skips=rb.skips, hyperparams=rb.hyperparams(), n_params=state_lib.param_count(spec.abstract),
         replicas=ReplicaCheck(mesh, spec.abstract["params"]) if cfg.integrity.replica_check_steps else None,
-        eval_windows=eval_windows,
+        eval_windows=eval_windows, microbatches=microbatches,
     )
     # Dashboard: grad-norm trend, throughput drop, hardware health (ECC rising -> checkpoint now), markers.
     w.monitors.extend(alerts.build(cfg, run_dir=run_dir, events=events, scalars=scalars, faults=faults))
