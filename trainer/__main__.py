@@ -51,8 +51,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"  # XLA: run-to-run determinism on GPU (bitwise resume)
+
+
 def configure_devices(cfg: Config) -> None:
-    """Decide the platform and fake device count before jax initialises its backends."""
+    """Decide the platform, fake device count and XLA flags before jax initialises its backends."""
+    if cfg.run.deterministic and DETERMINISTIC_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DETERMINISTIC_FLAG}".strip()
     if cfg.mesh.cpu_devices:
         os.environ["JAX_PLATFORMS"] = "cpu"
         import jax

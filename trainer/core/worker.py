@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -98,6 +99,19 @@ def elastic_microbatches(cfg: Config, processes: int) -> int:
     return cfg.train.microbatches
 
 
+STACK = ("jax", "jaxlib", "flax", "optax")  # bitwise resume is promised only within one version of each
+
+
+def stack_changes(saved: dict, cfg: Config) -> list[str]:
+    """What differs from the checkpoint's software stack: versions, or XLA's deterministic-ops setting."""
+    now, old = versions(), saved.get("versions", {})
+    out = [f"{pkg} {old.get(pkg)} -> {now.get(pkg)}" for pkg in STACK if old.get(pkg) != now.get(pkg)]
+    was = saved["config"]["run"].get("deterministic", False)
+    if was != cfg.run.deterministic:
+        out.append(f"run.deterministic {was} -> {cfg.run.deterministic}")
+    return out
+
+
 def validate_shapes(cfg: Config, mesh_shape: tuple[int, int, int], processes: int, microbatches: int,
                     corpus: data.Corpus | None) -> None:
     """Shapes the mesh and batch must divide; `corpus` None: sizing a run without its data (inspect)."""
@@ -166,6 +180,15 @@ def setup(cfg: Config) -> Worker:
     events.write("data_ready", seconds=data_s, dir=str(corpus.dir), source=corpus.source,
                  tokenizer=corpus.meta["tokenizer"], vocab_size=corpus.vocab_size, n_tokens=corpus.n_tokens,
                  n_val_tokens=corpus.n_val_tokens, fingerprint=corpus.fingerprint, prepared_now=corpus.fresh)
+    if microbatches != cfg.train.microbatches:
+        events.write("elastic_microbatches", processes=jax.process_count(), planned=cfg.launch.processes,
+                     microbatches=microbatches, detail="the group shrank: same global and per-device batch")
+    if saved and (stack := stack_changes(saved, cfg)):
+        events.write("stack_changed", changes=stack, meaning="resumed on another software stack: the run "
+                     "continues, but bitwise equality with an uninterrupted run is no longer promised")
+        if primary:
+            print(f"warning: resuming on another software stack ({'; '.join(stack)}): not bitwise resumable",
+                  file=sys.stderr)
     mesh = mesh_lib.make_mesh(cfg.mesh)
     tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
     spec = state_lib.build(GPT(cfg.model), tx, mesh, seed=cfg.run.seed, seq_len=cfg.model.seq_len)
