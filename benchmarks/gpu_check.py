@@ -165,6 +165,7 @@ def _inspect(spec: tuple, work: Path, env: dict, smoke: bool) -> dict:
     if code.returncode != 0:
         raise harness.BenchError(f"inspect failed: {code.stderr[-2000:]}")
     r = json.loads(out.read_text())
+    r["bytes_per_device"]["peak_gib"] = r["bytes_per_device"]["peak"] / (1 << 30)
     return {k: r[k] for k in ("platform", "attention", "bytes_per_device", "collective_bytes_total",
                               "flops_per_device_per_step", "mfu_ceiling")}
 

@@ -3,9 +3,9 @@ dims, driven by ../shared/peer/nanodo/bench_nanodo.py in its own venv, interleav
 d_model 256, 4 layers, 4 heads, d_ff 1024, seq 256, global batch 16, bf16 compute, fp32 params (our
 vocab 384 for the byte tokenizer vs nanodo's 256: ~1% more compute for us). Median tokens/s of steps 6-35.
 
-Each round runs ours 1 device, nanodo 1 device, ours fsdp=8, nanodo FSDP 8, ours data=8 (8 fake CPU
-devices), alternating which goes first, and records the 1-minute load average before and after each run:
-discard rounds where it moved (others took the CPU).
+Each round runs ours 1 device (scanned layers, the default, and unrolled), nanodo 1 device, ours fsdp=8,
+nanodo FSDP 8, ours data=8 (8 fake CPU devices), alternating which goes first, and records the 1-minute
+load average before and after each run: discard rounds where it moved (others took the CPU).
 
     python -m benchmarks.peer --nanodo-src DIR --nanodo-python VENV/bin/python [--rounds 3]
 """
@@ -26,8 +26,10 @@ PEER = harness.ROOT.parent / "shared" / "peer" / "nanodo"  # bench_nanodo.py and
 OURS = ["model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.d_ff=1024", "model.seq_len=256",
         "model.vocab_size=384", "model.compute_dtype=bfloat16", "data.batch_size=16", "checkpoint.every_steps=0",
         "run.compile_cache=", "log.progress=false", "log.report=false"]
-SETTINGS = {  # name -> (ours: mesh overrides or None, nanodo: device count or None)
-    "1dev": (["mesh.cpu_devices=1", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"], 1),
+ONE = ["mesh.cpu_devices=1", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]
+SETTINGS = {  # name -> (our overrides, nanodo's device count or None: ours only)
+    "1dev": (ONE, 1),
+    "1dev_unrolled": ([*ONE, "model.scan=false"], None),  # nanodo's structure: one compiled block per layer
     "fsdp8": (["mesh.cpu_devices=8", "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1"], 8),
     "data8": (["mesh.cpu_devices=8", "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"], None),
 }
@@ -88,6 +90,7 @@ def summarize(runs: list[dict]) -> dict:
                 med[f"{who}_{name}"] = statistics.median(vals)
     ratios = {
         "ours_over_nanodo_1dev": med["ours_1dev"] / med["nanodo_1dev"],
+        "ours_unrolled_over_nanodo_1dev": med["ours_1dev_unrolled"] / med["nanodo_1dev"],
         "ours_fsdp8_over_nanodo_fsdp8": med["ours_fsdp8"] / med["nanodo_fsdp8"],
         "ours_data8_over_nanodo_fsdp8": med["ours_data8"] / med["nanodo_fsdp8"],
         "ours_fsdp8_over_ours_data8": med["ours_fsdp8"] / med["ours_data8"],
@@ -105,6 +108,8 @@ def render(result: dict) -> str:
         "| setting | ours tok/s | nanodo tok/s | ratio |", "|---|---|---|---|",
         f"| 1 device, bf16 | {med['ours_1dev']:,.0f} | {med['nanodo_1dev']:,.0f} | "
         f"{rat['ours_over_nanodo_1dev']:.2f} |",
+        f"| 1 device, bf16, ours unrolled (`model.scan=false`) | {med['ours_1dev_unrolled']:,.0f} | "
+        f"{med['nanodo_1dev']:,.0f} | {rat['ours_unrolled_over_nanodo_1dev']:.2f} |",
         f"| 8 devices: ours fsdp=8 vs nanodo FSDP 8 | {med['ours_fsdp8']:,.0f} | {med['nanodo_fsdp8']:,.0f} | "
         f"{rat['ours_fsdp8_over_nanodo_fsdp8']:.2f} |",
         f"| 8 devices: ours data=8 vs nanodo FSDP 8 | {med['ours_data8']:,.0f} | {med['nanodo_fsdp8']:,.0f} | "

@@ -102,7 +102,7 @@ def test_the_cli_lists_commands_suggests_and_never_trains_by_accident(tmp_path):
     helped = _cli("--help")
     assert helped.returncode == 0
     commands = helped.stdout.split("\ncommands:\n", 1)[1].split("\n\n")[0].splitlines()
-    names = ["--config", "prepare", "status", "report", "audit", "survival"]
+    names = ["--config", "prepare", "status", "report", "audit", "survival", "checkpoints", "inspect"]
     assert [ln.split()[0] for ln in commands] == names, commands
     assert all(len(ln.split()) > 3 for ln in commands), commands  # each with its one line
     _one_error_line(_cli("staus", "runs/x"), "unknown command 'staus'; did you mean 'status'?")

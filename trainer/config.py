@@ -33,6 +33,9 @@ class MeshConfig:
     cpu_devices: int = 0  # >0: force this many fake CPU devices per process (test mode)
 
 
+REMAT = ("none", "full", "save_dots", "save_attention")  # model.remat's policies (trainer.core.model)
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 384  # >= tokenizer vocab; a multiple of the tensor axis
@@ -253,7 +256,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.compute_dtype must be float32 or bfloat16, got {cfg.model.compute_dtype!r}")
     if cfg.model.attention not in ("auto", "xla", "xla_remat", "cudnn"):
         raise ConfigError(f"model.attention must be auto, xla, xla_remat or cudnn, got {cfg.model.attention!r}")
-    _validate_remat(cfg.model.remat)
+    if (remat := cfg.model.remat) not in REMAT:  # was a bool: say which policy the old value meant
+        was = {"True": "; true is now full", "False": "; false is now none"}.get(remat, "")
+        raise ConfigError(f"model.remat must be one of {', '.join(REMAT)}, got {remat!r}{was}")
     if not 0.0 <= cfg.model.dropout < 1.0:
         raise ConfigError(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
     if cfg.train.stop_at_step > cfg.train.steps:
@@ -269,17 +274,6 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"faults[{i}].step must be >= 0, got {f.step}")
     _validate_launch(cfg.launch)
     _validate_runbook(cfg.runbook)
-
-
-REMAT = ("none", "full", "save_dots", "save_attention")
-
-
-def _validate_remat(remat: str) -> None:
-    if remat in ("True", "False"):  # the key used to be a bool
-        raise ConfigError(f"model.remat is a policy name now: use {'full' if remat == 'True' else 'none'} "
-                          f"instead of {remat.lower()} (one of {', '.join(REMAT)})")
-    if remat not in REMAT:
-        raise ConfigError(f"model.remat must be one of {', '.join(REMAT)}, got {remat!r}")
 
 
 def _validate_runbook(rc: RunbookConfig) -> None:
