@@ -231,7 +231,8 @@ def _positive(cfg: Config, *keys: str, allow_zero: bool = False) -> None:
 def validate(cfg: Config) -> None:
     _positive(cfg, "model.vocab_size", "model.seq_len", "model.d_model", "model.n_layers", "checkpoint.mtbf_hours",
               "model.n_heads", "data.batch_size", "train.steps", "train.microbatches", "optim.lr",
-              "optim.clip_norm", "log.every_steps", "data.read_threads", "data.default_corpus_mb", "data.prepare_workers", "eval.batches")
+              "optim.clip_norm", "log.every_steps", "data.read_threads", "data.default_corpus_mb",
+              "data.prepare_workers", "eval.batches")
     _positive(cfg, "model.d_ff", "optim.warmup_steps", "train.stop_at_step", "checkpoint.every_steps",
               "checkpoint.keep_every", "checkpoint.auto_devices", "mesh.cpu_devices",
               "checkpoint.local_every_steps", "checkpoint.local_every_minutes", "integrity.replica_check_steps",

@@ -156,6 +156,20 @@ def _load_data(cfg: Config) -> tuple[data.Corpus, np.ndarray | None, float]:
     return corpus, windows, time.perf_counter() - t0
 
 
+def _announce_changes(cfg: Config, events: EventLog, saved: dict | None, microbatches: int, *, primary: bool) -> None:
+    """What this start changes against the plan or the checkpoint: a shrunk group's microbatches, another
+    software stack (an event, and one stderr line: bitwise resume no longer holds)."""
+    if microbatches != cfg.train.microbatches:
+        events.write("elastic_microbatches", processes=jax.process_count(), planned=cfg.launch.processes,
+                     microbatches=microbatches, detail="the group shrank: same global and per-device batch")
+    if saved and (stack := stack_changes(saved, cfg)):
+        events.write("stack_changed", changes=stack, meaning="resumed on another software stack: the run "
+                     "continues, but bitwise equality with an uninterrupted run is no longer promised")
+        if primary:
+            print(f"warning: resuming on another software stack ({'; '.join(stack)}): not bitwise resumable",
+                  file=sys.stderr)
+
+
 def setup(cfg: Config) -> Worker:
     """Validate everything that can be wrong before the first write to the run dir, then build."""
     run_dir = Path(cfg.run.dir)
@@ -180,15 +194,7 @@ def setup(cfg: Config) -> Worker:
     events.write("data_ready", seconds=data_s, dir=str(corpus.dir), source=corpus.source,
                  tokenizer=corpus.meta["tokenizer"], vocab_size=corpus.vocab_size, n_tokens=corpus.n_tokens,
                  n_val_tokens=corpus.n_val_tokens, fingerprint=corpus.fingerprint, prepared_now=corpus.fresh)
-    if microbatches != cfg.train.microbatches:
-        events.write("elastic_microbatches", processes=jax.process_count(), planned=cfg.launch.processes,
-                     microbatches=microbatches, detail="the group shrank: same global and per-device batch")
-    if saved and (stack := stack_changes(saved, cfg)):
-        events.write("stack_changed", changes=stack, meaning="resumed on another software stack: the run "
-                     "continues, but bitwise equality with an uninterrupted run is no longer promised")
-        if primary:
-            print(f"warning: resuming on another software stack ({'; '.join(stack)}): not bitwise resumable",
-                  file=sys.stderr)
+    _announce_changes(cfg, events, saved, microbatches, primary=primary)
     mesh = mesh_lib.make_mesh(cfg.mesh)
     tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
     spec = state_lib.build(GPT(cfg.model), tx, mesh, seed=cfg.run.seed, seq_len=cfg.model.seq_len)
