@@ -34,7 +34,7 @@ class _Bench:
         from trainer.core import optim
         from trainer.core import state as state_lib
         from trainer.core.model import GPT
-        from trainer.core.step import make_train_step
+        from trainer.core.step import lower_train_step
 
         self.jax = jax
         mesh = mesh_lib.make_mesh(cfg.mesh)
@@ -43,11 +43,10 @@ class _Bench:
         self.n_params = state_lib.param_count(self.spec.abstract)
         self.state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.spec.abstract))
         bsh = mesh_lib.batch_sharding(mesh)
-        step = make_train_step(self.spec, bsh, mesh_lib.replicated(mesh), optim.schedule(cfg.optim, cfg.train.steps))
-        shape = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.model.seq_len + 1), np.int32, sharding=bsh)
-        self.step = step.lower(self.spec.abstract, shape).compile()
+        self.step = lower_train_step(self.spec, mesh, cfg, microbatches=cfg.train.microbatches).compile()
         rng = np.random.default_rng(0)
-        self.batches = [jax.device_put(rng.integers(0, 257, shape.shape, dtype=np.int32), bsh) for _ in range(4)]
+        shape = (cfg.data.batch_size, cfg.model.seq_len + 1)
+        self.batches = [jax.device_put(rng.integers(0, 257, shape, dtype=np.int32), bsh) for _ in range(4)]
         self.state = self.spec.init()
         self.tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
         self.done = 0

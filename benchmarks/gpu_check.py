@@ -1,14 +1,17 @@
-"""#6 GPU check: one prepared script for one H200-class GPU, under 8 minutes. Runs the 124M config and a
-~1B config (one GPU: no FSDP, no remat) under the supervisor for a few hundred / hundred steps and
-reports MFU, step time, checkpoint blocking vs bytes / measured device-to-host bandwidth, restart time
-with a warm compilation cache, and a bitwise resume check with XLA's deterministic ops on.
+"""#6 GPU check: one prepared script for the GPUs of one host (one H200-class GPU suffices), under 8 minutes.
+Runs the ~1B config (one GPU: no FSDP, no remat, scanned layers, cuDNN attention) and the 124M config under
+the supervisor and reports MFU, step time, checkpoint blocking vs bytes / measured device-to-host
+bandwidth; `inspect`'s bytes and MFU ceiling for the same 1B run, compiled for the GPU; a bitwise resume
+check with `run.deterministic=true` (whose step time, against the 124M run's, prices deterministic ops);
+and, with 2 or more GPUs, the 124M config FSDP vs data parallel over all of them.
 
     python benchmarks/gpu_check.py                 # on the GPU machine; writes benchmarks/results/gpu.json
     python benchmarks/gpu_check.py --cpu-smoke     # the same sequence with tiny models on CPU (minutes)
 
-Bit-exact resume on GPU needs XLA_FLAGS=--xla_gpu_deterministic_ops=true (XLA: "guarantees run-to-run
-determinism on GPU"; it implies --xla_gpu_exclude_nondeterministic_ops, and makes scatters, e.g. the
-embedding gradient, deterministic). Without it, atomics-based reductions may differ in the last bit.
+Bit-exact resume on GPU needs `run.deterministic=true`, which sets XLA_FLAGS=--xla_gpu_deterministic_ops=true
+(XLA: "guarantees run-to-run determinism on GPU"; it implies --xla_gpu_exclude_nondeterministic_ops, and
+makes scatters, e.g. the embedding gradient, deterministic). Without it, atomics-based reductions may
+differ in the last bit.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +30,6 @@ if __package__ in (None, ""):  # run as a script: `python benchmarks/gpu_check.p
 
 from benchmarks import harness, recovery
 
-DETERMINISTIC = "--xla_gpu_deterministic_ops=true"
 MFU_TARGET = 0.45
 BLOCKING_TARGET = 1.5  # blocking / (state bytes / measured device-to-host bandwidth)
 BYTES_PER_PARAM = 12  # fp32 params + AdamW mu and nu (the step and PRNG key are negligible)
@@ -35,9 +38,9 @@ CFG = harness.ROOT / "configs"
 # name -> (config, overrides, steps, checkpoint every). GPU: the real shapes on one device.
 GPU_RUNS = {
     "gpt2-124m": (CFG / "gpt2-124m.yaml", ["log.every_steps=20"], 200, 50),
-    # 1B on one 141 GB H200: ~86 GB without remat at 16 x 2048 tokens (cuDNN flash attention).
-    "gpt-1b": (CFG / "gpt-1b.yaml", ["mesh.fsdp=1", "data.batch_size=16", "model.remat=false",
-                                     "log.every_steps=10", "checkpoint.keep_latest=1"], 120, 40),
+    # 1B on one 141 GB H200 at 16 x 2048 tokens, no remat (cuDNN flash attention); retried with save_dots.
+    "gpt-1b": (CFG / "gpt-1b.yaml", ["mesh.fsdp=1", "data.batch_size=16", "train.microbatches=1",
+                                     "model.remat=none", "log.every_steps=10", "checkpoint.keep_latest=1"], 120, 40),
 }
 SMOKE_MODEL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.seq_len=64", "data.batch_size=16",
                "data.default_corpus_mb=1", "optim.warmup_steps=5"]
@@ -74,7 +77,7 @@ def copy_bandwidth(nbytes: int) -> dict:
     timed()  # warm-up: staging buffers, first transfer
     best = min(timed() for _ in range(3))
     return {"bytes": n * elems * 4, "seconds": best, "bytes_per_s": n * elems * 4 / best,
-            "device": jax.devices()[0].device_kind, "platform": jax.default_backend()}
+            "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "devices": jax.device_count()}
 
 
 def _run_model(name: str, spec: tuple, work: Path, cache: Path, bw: float, *, env: dict, retry: list[str]) -> dict:
@@ -120,9 +123,9 @@ def _bitwise(spec: tuple, work: Path, cache: Path, env: dict, smoke: bool) -> di
     """Uninterrupted vs SIGKILLed-and-resumed (supervisor restart, warm cache), deterministic ops on."""
     config, overrides, _, _ = spec
     steps, every = (12, 4) if smoke else (30, 10)
-    det_env = dict(env, XLA_FLAGS=(env.get("XLA_FLAGS", "") + " " + DETERMINISTIC).strip())
+    det_env = env
     base = [*overrides, *COMMON, f"train.steps={steps}", f"checkpoint.every_steps={every}",
-            f"run.compile_cache={cache}", "supervisor.crash_loop_restarts=2"]
+            f"run.compile_cache={cache}", "supervisor.crash_loop_restarts=2", "run.deterministic=true"]
     straight = work / "bitwise-straight"
     harness.run(harness.trainer_cmd(str(config), straight, *base), work / "bitwise-straight.log", timeout=300,
                 env=det_env)
@@ -136,7 +139,7 @@ def _bitwise(spec: tuple, work: Path, cache: Path, env: dict, smoke: bool) -> di
     losses_a = {e["step"]: e["loss"] for e in steps_a}
     losses_b = [(e["step"], e["loss"]) for e in harness.steps(harness.events(resumed))]
     out = {
-        "xla_flags": det_env["XLA_FLAGS"],
+        "run.deterministic": True,
         "params_sha256_straight": a["params_sha256"],
         "params_sha256_resumed": b["params_sha256"],
         "bitwise_equal": a["params_sha256"] == b["params_sha256"] and all(losses_a[s] == v for s, v in losses_b),
@@ -146,6 +149,47 @@ def _bitwise(spec: tuple, work: Path, cache: Path, env: dict, smoke: bool) -> di
     }
     for d in (straight, resumed):
         shutil.rmtree(d / "checkpoints", ignore_errors=True)
+    return out
+
+
+def _inspect(spec: tuple, work: Path, env: dict, smoke: bool) -> dict:
+    """`python -m trainer inspect` of the 1B run as configured above, compiled for this machine's devices."""
+    config, overrides, _, _ = spec
+    out = work / "inspect_1b.json"
+    cmd = [sys.executable, "-m", "trainer", "inspect", "--config", str(config), "--json",
+           *([] if smoke else ["--devices", "1"]),
+           *[a for o in overrides for a in ("--set", o)]]
+    with open(out, "w") as fh:
+        code = subprocess.run(cmd, cwd=harness.ROOT, stdout=fh, stderr=subprocess.PIPE, text=True, env=env,
+                              timeout=600)
+    if code.returncode != 0:
+        raise harness.BenchError(f"inspect failed: {code.stderr[-2000:]}")
+    r = json.loads(out.read_text())
+    r["bytes_per_device"]["peak_gib"] = r["bytes_per_device"]["peak"] / (1 << 30)
+    return {k: r[k] for k in ("platform", "attention", "bytes_per_device", "collective_bytes_total",
+                              "flops_per_device_per_step", "mfu_ceiling")}
+
+
+def _fsdp_vs_data(spec: tuple, work: Path, cache: Path, env: dict, devices: int, smoke: bool) -> dict:
+    """The 124M config over every device of this host, FSDP vs data parallel (same global batch)."""
+    if devices < 2 and not smoke:
+        return {"skipped": f"needs 2 or more GPUs, this host has {devices}"}
+    config, overrides, _, _ = spec
+    n = 8 if smoke else devices
+    steps = 12 if smoke else 60
+    out = {}
+    for name, mesh in (("data", [f"mesh.data={n}", "mesh.fsdp=1"]), ("fsdp", ["mesh.data=1", f"mesh.fsdp={n}"])):
+        run_dir = work / f"parallel-{name}"
+        extra = ["mesh.cpu_devices=8"] if smoke else []
+        cmd = harness.trainer_cmd(str(config), run_dir, *overrides, *COMMON, *mesh, *extra, f"train.steps={steps}",
+                                  "checkpoint.every_steps=0", f"data.batch_size={8 * n}", f"run.compile_cache={cache}")
+        harness.run(cmd, work / f"parallel-{name}.log", timeout=420, env=env)
+        warm = [e for e in harness.steps(harness.events(run_dir)) if e["step"] > steps // 2]
+        out[name] = {"tokens_per_s": harness.median([e["tokens_per_s"] for e in warm]),
+                     "mfu": harness.median([e["mfu"] for e in warm if "mfu" in e]) if "mfu" in warm[0] else None}
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    out["devices"] = n
+    out["fsdp_over_data"] = out["fsdp"]["tokens_per_s"] / out["data"]["tokens_per_s"]
     return out
 
 
@@ -162,10 +206,12 @@ def check(work: Path, *, smoke: bool, budget_s: float) -> dict:
     result: dict = {"measured": not smoke, "device": bw["device"], "platform": bw["platform"], "copy": bw}
     # The 1B MFU is the headline: it runs first, so a slow start cannot push it past the budget.
     parts = [("gpt-1b", lambda: _run_model("gpt-1b", runs["gpt-1b"], work, cache, bw["bytes_per_s"], env=env,
-                                           retry=["model.remat=true"])),
+                                           retry=["model.remat=save_dots"])),
              ("gpt2-124m", lambda: _run_model("gpt2-124m", runs["gpt2-124m"], work, cache, bw["bytes_per_s"],
                                               env=env, retry=[])),
-             ("bitwise_resume", lambda: _bitwise(runs["gpt2-124m"], work, cache, env, smoke))]
+             ("bitwise_resume", lambda: _bitwise(runs["gpt2-124m"], work, cache, env, smoke)),
+             ("inspect_1b", lambda: _inspect(runs["gpt-1b"], work, env, smoke)),
+             ("fsdp_vs_data", lambda: _fsdp_vs_data(runs["gpt2-124m"], work, cache, env, bw["devices"], smoke))]
     for name, fn in parts:
         if time.time() - t0 > budget_s:
             result[name] = {"skipped": f"time budget of {budget_s:.0f}s spent"}

@@ -37,22 +37,19 @@ def _bare_setup(compile_cache: str):
     cfg = load_config(harness.TINY, [f"run.compile_cache={compile_cache}"])
     configure_devices(cfg)
     import jax
-    import numpy as np
 
     from trainer.core import data, optim, worker
     from trainer.core import mesh as mesh_lib
     from trainer.core import state as state_lib
     from trainer.core.model import GPT
-    from trainer.core.step import make_train_step
+    from trainer.core.step import lower_train_step
 
     worker.setup_compile_cache(cfg.run.compile_cache)
     mesh = mesh_lib.make_mesh(cfg.mesh)
     spec = state_lib.build(GPT(cfg.model), optim.make_optimizer(cfg.optim, cfg.train.steps), mesh,
                            seed=cfg.run.seed, seq_len=cfg.model.seq_len)
     bsh = mesh_lib.batch_sharding(mesh)
-    step_fn = make_train_step(spec, bsh, mesh_lib.replicated(mesh), optim.schedule(cfg.optim, cfg.train.steps))
-    shape = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.model.seq_len + 1), np.int32, sharding=bsh)
-    compiled = step_fn.lower(spec.abstract, shape).compile()
+    compiled = lower_train_step(spec, mesh, cfg, microbatches=cfg.train.microbatches).compile()
     corpus = data.prepare(cfg.data)
     it = data.make_iterator(cfg.data, corpus=corpus, seq_len=cfg.model.seq_len, steps=cfg.train.steps,
                             seed=cfg.run.seed, process=0, processes=1, skips=[])

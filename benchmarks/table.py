@@ -15,6 +15,8 @@ GPU_ROWS = (  # (label, path into the gpu result, target)
     ("restart with warm compile cache (s)", ("bitwise_resume", "restart_warm_cache_s", "total"), "-"),
     ("bitwise resume (deterministic ops)", ("bitwise_resume", "bitwise_equal"), "equal"),
     ("step time, deterministic ops / default, 124M", ("deterministic_ops_step_time_ratio",), "-"),
+    ("inspect: peak bytes per GPU, ~1B (GiB)", ("inspect_1b", "bytes_per_device", "peak_gib"), "-"),
+    ("tokens/s FSDP / data parallel, 124M, all GPUs", ("fsdp_vs_data", "fsdp_over_data"), "-"),
 )
 
 

@@ -36,6 +36,8 @@ def test_every_shipped_config_parses_and_has_its_stated_size():
     ("data.batch_size=-4", "data.batch_size must be > 0"),
     ("log.tensorboard=maybe", "log.tensorboard: expected true/false"),
     ("model.compute_dtype=fp8", "model.compute_dtype must be float32 or bfloat16"),
+    ("model.remat=true", "model.remat must be one of none, full, save_dots, save_attention, got 'True'; true is"),
+    ("train.microbatches=0", "train.microbatches must be > 0"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
@@ -65,6 +67,7 @@ def test_bad_input_exits_2_with_one_line_and_leaves_the_run_dir_untouched(tmp_pa
         (trainer_cmd(run, "model.d_model=96", "model.n_heads=4")[3:], "cannot resume"),
         (trainer_cmd(run, "model.d_model=96", worker=True)[3:], "cannot resume"),
         (trainer_cmd(run, "data.batch_size=32")[3:], "data.batch_size changed"),
+        (trainer_cmd(run, "train.microbatches=3")[3:], "must be divisible by train.microbatches (3)"),
     ]
     for args, message in cases:
         proc = _cli(*args)

@@ -213,17 +213,18 @@ def test_strict_json_and_no_nan_in_what_status_says(tmp_path):
 
 
 def test_library_noise_goes_to_the_worker_log_not_the_terminal(tmp_path):
-    """The tiny config's real shapes make XLA warn "[SPMD] Involuntary full rematerialization" while compiling
-    (no compilation cache: a cache hit would not compile, hence not warn)."""
+    """XLA's own info lines (TF_CPP_MIN_LOG_LEVEL=0 turns them on: "PjRt-IFRT device count ..." as the
+    backend starts) stay in the worker log. (The tiny config's step no longer makes the partitioner warn.)"""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "trainer", "--config", TINY, *sets(f"run.dir={run}", "train.steps=2",
                                                                     "log.progress=false", "log.report=false",
                                                                     "run.compile_cache=")]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_env())
+    env = dict(child_env(), TF_CPP_MIN_LOG_LEVEL="0")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Involuntary full rematerialization" in (run / "logs" / "worker-1.log").read_text()
+    assert "PjRt-IFRT device count" in (run / "logs" / "worker-1.log").read_text()
     lines = proc.stderr.splitlines()
-    assert "rematerialization" not in proc.stderr and lines[0].startswith("fresh start:"), proc.stderr[-3000:]
+    assert "PjRt-IFRT" not in proc.stderr and lines[0].startswith("fresh start:"), proc.stderr[-3000:]
     assert lines[-1].startswith("run complete at step 2"), proc.stderr[-3000:]
 
 

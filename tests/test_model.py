@@ -1,14 +1,17 @@
-"""The GPT itself: causal, finite in bf16 and with rematerialisation, logits shaped (B, L, V)."""
+"""The GPT itself: causal, finite in bf16 and under every remat policy, logits shaped (B, L, V); its param
+tree (names, shapes, logical axes) is the one model.py documents, scanned or unrolled, and both compute the
+same function."""
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 from trainer.config import ModelConfig
-from trainer.core.model import GPT, flops_per_token
+from trainer.core.model import GPT, REMAT_POLICIES, flops_per_token
 
 CFG = ModelConfig(vocab_size=384, seq_len=32, d_model=64, n_layers=2, n_heads=4)
 
@@ -32,8 +35,10 @@ def test_logits_are_causal():
 def test_bf16_compute_and_remat_train_to_finite_losses():
     tokens = jax.random.randint(jax.random.key(2), (4, CFG.seq_len + 1), 0, 256)
     losses = {}
-    for name, cfg in {"fp32": CFG, "bf16": ModelConfig(**{**CFG.__dict__, "compute_dtype": "bfloat16"}),
-                      "remat": ModelConfig(**{**CFG.__dict__, "remat": True})}.items():
+    variants = {"fp32": CFG, "bf16": ModelConfig(**{**CFG.__dict__, "compute_dtype": "bfloat16"}),
+                "attention_remat": ModelConfig(**{**CFG.__dict__, "attention": "xla_remat"}),
+                **{p: ModelConfig(**{**CFG.__dict__, "remat": p}) for p in REMAT_POLICIES}}
+    for name, cfg in variants.items():
         model, params = _init(cfg)
 
         def loss_fn(p, m=model):
@@ -44,7 +49,8 @@ def test_bf16_compute_and_remat_train_to_finite_losses():
         assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))  # fp32 master params
         losses[name] = float(loss)
     assert all(np.isfinite(v) for v in losses.values())
-    assert abs(losses["remat"] - losses["fp32"]) < 1e-5 and abs(losses["bf16"] - losses["fp32"]) < 0.05
+    assert all(abs(losses[p] - losses["fp32"]) < 1e-5 for p in [*REMAT_POLICIES, "attention_remat"]), losses
+    assert abs(losses["bf16"] - losses["fp32"]) < 0.05
 
 
 def test_flops_per_token_counts_attention():
@@ -52,3 +58,44 @@ def test_flops_per_token_counts_attention():
     base = flops_per_token(CFG, n)
     longer = flops_per_token(ModelConfig(**{**CFG.__dict__, "seq_len": 64}), n)
     assert longer - base == 12 * CFG.n_layers * CFG.d_model * 32 - 6 * 32 * CFG.d_model
+
+
+# model.py's docstring, for CFG: D=64, H=4, K=16, F=256, V=384, L=32, N=2 (scanned).
+D, H, K, F, V, L, N = 64, 4, 16, 256, 384, 32, 2
+TREE = {
+    "wte": ((V, D), ("vocab", "embed")), "wpe": ((L, D), ("seq", "embed")),
+    "blocks/ln_1/scale": ((N, D), ("layers", "norm")), "blocks/ln_1/bias": ((N, D), ("layers", "norm")),
+    "blocks/qkv/kernel": ((N, D, 3, H, K), ("layers", "embed", None, "heads", "head_dim")),
+    "blocks/qkv/bias": ((N, 3, H, K), ("layers", None, "heads", "head_dim")),
+    "blocks/proj/kernel": ((N, H, K, D), ("layers", "heads", "head_dim", "embed")),
+    "blocks/proj/bias": ((N, D), ("layers", "norm")),
+    "blocks/ln_2/scale": ((N, D), ("layers", "norm")), "blocks/ln_2/bias": ((N, D), ("layers", "norm")),
+    "blocks/fc/kernel": ((N, D, F), ("layers", "embed", "mlp")), "blocks/fc/bias": ((N, F), ("layers", "mlp")),
+    "blocks/out/kernel": ((N, F, D), ("layers", "mlp", "embed")), "blocks/out/bias": ((N, D), ("layers", "norm")),
+    "ln_f/scale": ((D,), ("norm",)), "ln_f/bias": ((D,), ("norm",)),
+}
+
+
+def _flat(tree) -> dict:
+    return {"/".join(k.key for k in path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def test_param_tree_names_shapes_and_logical_axes_are_the_documented_ones():
+    boxed = jax.eval_shape(lambda: GPT(CFG).init(jax.random.key(0), jnp.zeros((1, L), jnp.int32))["params"])
+    shapes = {k: v.shape for k, v in _flat(nn.meta.unbox(boxed)).items()}
+    specs = {k: tuple(v) for k, v in _flat(nn.get_partition_spec(boxed)).items()}
+    assert shapes == {k: s for k, (s, _) in TREE.items()}
+    assert specs == {k: a for k, (_, a) in TREE.items()}
+
+
+def test_scanned_and_unrolled_layers_compute_the_same_function():
+    model, params = _init(CFG)
+    params = nn.meta.unbox(params)
+    unrolled = GPT(ModelConfig(**{**CFG.__dict__, "scan": False}))
+    layer_params = {f"block_{i}": jax.tree.map(lambda x, i=i: x[i], params["blocks"]) for i in range(N)}
+    as_unrolled = {**{k: v for k, v in params.items() if k != "blocks"}, **layer_params}
+    shapes = jax.eval_shape(lambda: unrolled.init(jax.random.key(0), jnp.zeros((1, L), jnp.int32))["params"])
+    assert jax.tree.map(lambda x: x.shape, nn.meta.unbox(shapes)) == jax.tree.map(lambda x: x.shape, as_unrolled)
+    tokens = jax.random.randint(jax.random.key(3), (2, L), 0, 256)
+    a, b = model.apply({"params": params}, tokens), unrolled.apply({"params": as_unrolled}, tokens)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

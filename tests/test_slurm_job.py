@@ -42,8 +42,10 @@ def test_sbatch_job_survives_a_killed_task_and_a_preemption(tmp_path, tmp_path_f
     t0 = time.time()
     with local_slurm(tmp_path / "slurm", cpus=4, cred_expire=5) as env:
         env = dict(env, TRAINER_PYTHON=sys.executable)
+        # The job script asks for a GPU node's GPUs and cores: this loopback node has neither.
         job = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
-                              f"--chdir={ROOT}", f"--output={out}", str(ROOT / "launch" / "slurm.sbatch"), *args],
+                              "--gpus-per-task=0", "--cpus-per-task=1", f"--chdir={ROOT}", f"--output={out}",
+                              str(ROOT / "launch" / "slurm.sbatch"), *args],
                              env=env, capture_output=True, text=True, check=True, timeout=30).stdout.strip()
         alive = lambda: job_state(job, env) not in TERMINAL_STATES
 

@@ -23,6 +23,7 @@ SUBCOMMANDS = {  # name: (module, one line for --help)
     "audit": ("trainer.observe.audit", "prove exactly-once data consumption from a run dir"),
     "survival": ("trainer.survival.cli", "run-survival simulator: price the checkpoint interval"),
     "checkpoints": ("trainer.observe.checkpoints", "list a run's checkpoints (both tiers); --verify re-checks them"),
+    "inspect": ("trainer.core.inspect", "compile a config's step without training: bytes, collectives, FLOPs"),
 }
 COMMANDS_HELP = "commands:\n" + "\n".join(
     [f"  {'--config FILE':<16}train (supervised; --worker: one unsupervised worker); re-run to resume"]
@@ -53,8 +54,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"  # XLA: run-to-run determinism on GPU (bitwise resume)
+
+
 def configure_devices(cfg: Config) -> None:
-    """Decide the platform and fake device count before jax initialises its backends."""
+    """Decide the platform, fake device count and XLA flags before jax initialises its backends."""
+    if cfg.run.deterministic and DETERMINISTIC_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DETERMINISTIC_FLAG}".strip()
     if cfg.mesh.cpu_devices:
         os.environ["JAX_PLATFORMS"] = "cpu"
         import jax

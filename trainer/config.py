@@ -22,6 +22,7 @@ class RunConfig:
     seed: int = 0  # seeds params init, dropout and the data order
     supervise: bool = True  # False runs the worker in this process (debugging)
     compile_cache: str = "~/.cache/trainer/jax"  # JAX persistent compilation cache ("" = off)
+    deterministic: bool = False  # GPU: XLA's deterministic ops (bitwise resume on GPU; slower scatters)
 
 
 @dataclass
@@ -30,6 +31,9 @@ class MeshConfig:
     fsdp: int = 1
     tensor: int = 1
     cpu_devices: int = 0  # >0: force this many fake CPU devices per process (test mode)
+
+
+REMAT = ("none", "full", "save_dots", "save_attention")  # model.remat's policies (trainer.core.model)
 
 
 @dataclass
@@ -42,8 +46,9 @@ class ModelConfig:
     d_ff: int = 0  # 0 = 4 * d_model
     dropout: float = 0.0
     compute_dtype: str = "float32"  # float32 | bfloat16 (params stay fp32)
-    attention: str = "auto"  # auto | xla | cudnn (auto = cudnn on GPU with bf16)
-    remat: bool = False  # rematerialise each block in the backward pass
+    attention: str = "auto"  # auto | xla | xla_remat | cudnn (auto = cudnn on GPU with bf16, else xla)
+    remat: str = "none"  # what each block keeps for the backward pass: none | full | save_dots | save_attention
+    scan: bool = True  # scan over layers (compile time flat in depth); false unrolls them
     tie_embeddings: bool = True
 
 
@@ -85,6 +90,7 @@ class OptimConfig:
 class TrainConfig:
     steps: int = 200  # total steps: fixes the LR schedule
     stop_at_step: int = 0  # >0: save and exit cleanly at this step without touching the schedule
+    microbatches: int = 1  # split each global batch into this many slices, gradients accumulated (memory)
 
 
 @dataclass
@@ -224,8 +230,9 @@ def _positive(cfg: Config, *keys: str, allow_zero: bool = False) -> None:
 
 def validate(cfg: Config) -> None:
     _positive(cfg, "model.vocab_size", "model.seq_len", "model.d_model", "model.n_layers", "checkpoint.mtbf_hours",
-              "model.n_heads", "data.batch_size", "train.steps", "optim.lr", "optim.clip_norm",
-              "log.every_steps", "data.read_threads", "data.default_corpus_mb", "data.prepare_workers", "eval.batches")
+              "model.n_heads", "data.batch_size", "train.steps", "train.microbatches", "optim.lr",
+              "optim.clip_norm", "log.every_steps", "data.read_threads", "data.default_corpus_mb",
+              "data.prepare_workers", "eval.batches")
     _positive(cfg, "model.d_ff", "optim.warmup_steps", "train.stop_at_step", "checkpoint.every_steps",
               "checkpoint.keep_every", "checkpoint.auto_devices", "mesh.cpu_devices",
               "checkpoint.local_every_steps", "checkpoint.local_every_minutes", "integrity.replica_check_steps",
@@ -248,8 +255,11 @@ def validate(cfg: Config) -> None:
             f"model.d_model ({cfg.model.d_model}) must be divisible by model.n_heads ({cfg.model.n_heads})")
     if cfg.model.compute_dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.compute_dtype must be float32 or bfloat16, got {cfg.model.compute_dtype!r}")
-    if cfg.model.attention not in ("auto", "xla", "cudnn"):
-        raise ConfigError(f"model.attention must be auto, xla or cudnn, got {cfg.model.attention!r}")
+    if cfg.model.attention not in ("auto", "xla", "xla_remat", "cudnn"):
+        raise ConfigError(f"model.attention must be auto, xla, xla_remat or cudnn, got {cfg.model.attention!r}")
+    if (remat := cfg.model.remat) not in REMAT:  # was a bool: say which policy the old value meant
+        was = {"True": "; true is now full", "False": "; false is now none"}.get(remat, "")
+        raise ConfigError(f"model.remat must be one of {', '.join(REMAT)}, got {remat!r}{was}")
     if not 0.0 <= cfg.model.dropout < 1.0:
         raise ConfigError(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
     if cfg.train.stop_at_step > cfg.train.steps:

@@ -16,14 +16,13 @@ import time
 
 import absl.logging
 import jax
-import numpy as np
 
 from trainer.config import Config, to_dict
-from trainer.core import checkpoint, data, evaluate, integrity, optim
+from trainer.core import agree, checkpoint, data, evaluate, integrity, optim
 from trainer.core import mesh as mesh_lib
 from trainer.core.model import flops_per_token
 from trainer.core.state import params_sha256
-from trainer.core.step import make_train_step
+from trainer.core.step import lower_train_step
 from trainer.core.worker import Worker, setup, versions
 from trainer.observe import outcome, rundir
 from trainer.observe.audit import AuditLog
@@ -43,7 +42,8 @@ class Flags:
     stop: bool = False  # SIGTERM: finish the step, save, exit PREEMPTED
     save_now: str = ""  # a monitor asked for a checkpoint now (e.g. rising ECC count): its reason
     spike: dict | None = None  # a monitor found a loss spike: exit SPIKE for the runbook
-    hold: bool = False  # a spike is being probed: updates frozen (LR scale 0), no saves
+    hold_asked: bool = False  # a monitor asked to freeze updates while it probes a spike
+    hold: bool = False  # the group agreed to hold: updates frozen (LR scale 0), no saves
     lr_scale_now: float = 1.0  # the LR scale in the device state (hold and nan/spike faults change it)
 
     def act(self, step: int, action: dict) -> None:
@@ -53,7 +53,7 @@ class Flags:
         elif action["do"] == "spike":
             self.spike = dict(action, step=step)
         elif action["do"] == "hold":
-            self.hold = True
+            self.hold_asked = True
 
 
 def run(cfg: Config) -> int:
@@ -126,26 +126,11 @@ def _audit_log(w: Worker, start: int) -> AuditLog:
 
 def _compile(w: Worker, start: int):
     """The train step compiled ahead of time (a cache hit on restart), shardings fixed."""
-    cfg = w.cfg
-    bsh = mesh_lib.batch_sharding(w.mesh)
-    step_fn = make_train_step(w.spec, bsh, mesh_lib.replicated(w.mesh), optim.schedule(cfg.optim, cfg.train.steps))
     w.heartbeat.beat("compile", start)
     t0 = time.perf_counter()
-    tokens_shape = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.model.seq_len + 1), np.int32, sharding=bsh)
-    compiled = step_fn.lower(w.spec.abstract, tokens_shape).compile()
-    w.events.write("compiled", step=start, seconds=time.perf_counter() - t0)
+    compiled = lower_train_step(w.spec, w.mesh, w.cfg, microbatches=w.microbatches).compile()
+    w.events.write("compiled", step=start, seconds=time.perf_counter() - t0, microbatches=w.microbatches)
     return compiled
-
-
-def _agree(flags: list[bool]) -> list[bool]:
-    """All processes must stop, save or rewind together: any process's request wins. One small
-    host collective per step carries every flag."""
-    if jax.process_count() == 1:
-        return flags
-    from jax.experimental import multihost_utils
-
-    gathered = multihost_utils.process_allgather(np.array(flags, np.int32))
-    return [bool(v) for v in np.max(gathered.reshape(-1, len(flags)), axis=0)]
 
 
 def _train(w: Worker, flags: Flags, step_fn, it, audit: AuditLog | None, st, start: int,
@@ -155,6 +140,9 @@ def _train(w: Worker, flags: Flags, step_fn, it, audit: AuditLog | None, st, sta
     stop_at = cfg.train.stop_at_step or cfg.train.steps
     policy = checkpoint.SavePolicy(cfg.checkpoint, devices=jax.device_count(), restart_s=_measured_restart_s(w))
     log = _StepLog(w, flags)
+    # Every process stops, saves, exits or holds at the same step; a multi-process group acts agree.LAG
+    # steps after the request. Checkpoint-now and timed saves (durable and local) are one-shot requests.
+    agreement = agree.Agreement(processes=jax.process_count(), start=start, n_flags=7, one_shot=(2, 3, 5))
     step = last_good = start  # last_good: the last step whose replicas agreed (a restored state agrees)
     while step < stop_at:
         w.heartbeat.beat("step", step)
@@ -175,9 +163,9 @@ def _train(w: Worker, flags: Flags, step_fn, it, audit: AuditLog | None, st, sta
             log.eval_s = _eval(w, ev, st, step)
         periodic, timed = policy.due(step)
         to_local, local_timed = w.ckpt.local_due(step)
-        spike, stop, asked, timed, flags.hold, local_timed, failed = _agree(
-            [flags.spike is not None, flags.stop, bool(flags.save_now), timed, flags.hold, local_timed,
-             bool(w.ckpt.failure())])
+        spike, stop, asked, timed, flags.hold, local_timed, failed = agreement.exchange(
+            step, [flags.spike is not None, flags.stop, bool(flags.save_now), timed, flags.hold_asked, local_timed,
+                   bool(w.ckpt.failure())])
         flags.stop |= stop  # a peer's SIGTERM stops this process too; a signal landing meanwhile is kept
         if spike:
             return _spike_exit(w, flags)
@@ -242,6 +230,7 @@ def _meta(w: Worker) -> dict:
         "devices": jax.device_count(),
         "skips": w.skips,
         "versions": versions(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),  # run.deterministic's flag, and any the user set
     }
 
 

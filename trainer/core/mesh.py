@@ -1,8 +1,12 @@
-"""Devices: the mesh from the config, the one table mapping logical axis names to mesh axes, and the
-devices' peak FLOP/s for MFU."""
+"""Devices: the mesh from the config, the one table mapping logical axis names to mesh axes (and the
+context that makes it take effect while tracing), and the devices' peak FLOP/s for MFU."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -26,6 +30,7 @@ RULES = (
     ("seq", None),
     ("act_embed", None),
     ("norm", None),
+    ("layers", None),  # the scanned layer stack: every device holds its shard of every layer
 )
 
 
@@ -44,6 +49,14 @@ def make_mesh(cfg: MeshConfig) -> Mesh:
     # Order devices process-major so each process's devices form a contiguous block of the batch.
     devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))).reshape(shape)
     return Mesh(devices, AXES)
+
+
+@contextlib.contextmanager
+def active(mesh: Mesh) -> Iterator[None]:
+    """Trace under this: the model's logical activation constraints become sharding constraints on the
+    mesh (without the mesh and the rules in context flax drops them, and propagation guesses)."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        yield
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

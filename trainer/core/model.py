@@ -1,65 +1,153 @@
-"""GPT: pre-norm transformer blocks, causal attention, GELU MLP; params carry logical axis names.
+"""GPT with GPT-2's architecture (learned positions, pre-norm LayerNorm, tanh-GELU MLP, biases, tied
+embeddings): explicit params named by logical axes, einsums, layers scanned and rematerialised by policy.
 
-Shape legend: B batch, L sequence length, D d_model, H heads, K head dim, F MLP width, V vocab.
+Shape legend: B batch, L sequence length, D d_model, H heads, K head dim, F MLP width, V vocab,
+N layers, T the three attention inputs (q, k, v, in that order).
+
+Param tree (fp32; `blocks` leaves carry a leading N axis, logical axis "layers", when `model.scan`;
+with `model.scan: false` the same leaves sit under `block_0` ... `block_{N-1}` without it):
+
+    wte                     [V, D]        ("vocab", "embed")      tied input embedding and LM head
+    wpe                     [L, D]        ("seq", "embed")        learned positions
+    blocks/ln_1/scale|bias  [N, D]        ("layers", "norm")
+    blocks/qkv/kernel       [N, D, T, H, K] ("layers", "embed", None, "heads", "head_dim")   GPT-2 c_attn
+    blocks/qkv/bias         [N, T, H, K]  ("layers", None, "heads", "head_dim")
+    blocks/proj/kernel      [N, H, K, D]  ("layers", "heads", "head_dim", "embed")          GPT-2 attn.c_proj
+    blocks/proj/bias        [N, D]        ("layers", "norm")
+    blocks/ln_2/scale|bias  [N, D]        ("layers", "norm")
+    blocks/fc/kernel        [N, D, F]     ("layers", "embed", "mlp")                         GPT-2 mlp.c_fc
+    blocks/fc/bias          [N, F]        ("layers", "mlp")
+    blocks/out/kernel       [N, F, D]     ("layers", "mlp", "embed")                         GPT-2 mlp.c_proj
+    blocks/out/bias         [N, D]        ("layers", "norm")
+    ln_f/scale|bias         [D]           ("norm",)
+    lm_head                 [D, V]        ("embed", "vocab")      only with tie_embeddings: false
+
+GPT-2's c_attn weight [D, 3D] is qkv/kernel reshaped to [D, T*H*K] (row-major), its bias likewise;
+c_proj's weight [D, D] is proj/kernel reshaped to [H*K, D]. LayerNorm epsilon: LN_EPS.
 """
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from trainer.config import ModelConfig
 
 P = nn.with_logical_partitioning
+LN_EPS = 1e-5  # GPT-2's layer_norm_epsilon
+
+# model.remat -> what the backward pass keeps of each block's forward (the rest is recomputed).
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,  # keep only the block's input
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep every projection's output
+    "save_attention": jax.checkpoint_policies.save_only_these_names("qkv", "attn_out"),  # recompute MLP + norms
+}
 
 
 def _dtype(cfg: ModelConfig):
     return jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else jnp.float32
 
 
-def _attention_impl(cfg: ModelConfig) -> str | None:
+def attention_impl(cfg: ModelConfig, backend: str | None = None) -> str:
+    """model.attention resolved for a backend: auto = cuDNN's fused kernel on a GPU in bf16, else XLA's path."""
     if cfg.attention == "auto":
-        # cuDNN's fused kernel needs a GPU and half precision; XLA's path works everywhere.
-        on_gpu = jax.default_backend() == "gpu"
+        on_gpu = (backend or jax.default_backend()) == "gpu"
         return "cudnn" if on_gpu and cfg.compute_dtype == "bfloat16" else "xla"
     return cfg.attention
 
 
-class Block(nn.Module):
-    cfg: ModelConfig
+def _attention(cfg: ModelConfig, q_BLHK, k_BLHK, v_BLHK):
+    impl = attention_impl(cfg)
+    fn = functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                           implementation="xla" if impl == "xla_remat" else impl)
+    if impl == "xla_remat":
+        # Recompute the L x L scores in the backward pass instead of keeping them: the memory profile of a
+        # fused (flash) kernel without the kernel. `inspect` sizes cuDNN runs on CPU with it.
+        fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+    return fn(q_BLHK, k_BLHK, v_BLHK)
+
+
+def _layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
+    return nn.LayerNorm(epsilon=LN_EPS, dtype=_dtype(cfg), name=name,
+                        scale_init=P(nn.initializers.ones, ("norm",)), bias_init=P(nn.initializers.zeros, ("norm",)))
+
+
+class Linear(nn.Module):
+    """y = einsum(x, kernel) + bias with explicit params: the kernel's leading `n_in` axes are contracted,
+    the bias has the kernel's remaining (output) axes. Multiplies in the compute dtype."""
+
+    equation: str  # e.g. "BLD,DTHK->BLTHK"
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    n_in: int
+    std: float
+    dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x_BLD, deterministic: bool):
+    def __call__(self, x):
+        kernel = self.param("kernel", P(nn.initializers.normal(self.std), self.axes), self.shape)
+        bias = self.param("bias", P(nn.initializers.zeros, self._bias_axes()), self.shape[self.n_in:])
+        # Cast while still sharded like the param: FSDP then gathers the compute dtype (half the bytes in bf16).
+        kernel = nn.with_logical_constraint(kernel.astype(self.dtype), self.axes)
+        return jnp.einsum(self.equation, x.astype(self.dtype), kernel) + bias.astype(self.dtype)
+
+    def _bias_axes(self):
+        out = self.axes[self.n_in:]
+        return ("norm",) if out == ("embed",) else out  # a D-sized bias is tiny: replicate it like the norms
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block; (carry, _) -> (carry, None) so that nn.scan can stack it."""
+
+    cfg: ModelConfig
+    deterministic: bool
+
+    @nn.compact
+    def __call__(self, x_BLD, _):
         cfg, dt = self.cfg, _dtype(self.cfg)
-        K = cfg.d_model // cfg.n_heads
-        F = cfg.d_ff or 4 * cfg.d_model
-        init = nn.initializers.normal(0.02)
-        out_init = nn.initializers.normal(0.02 / (2 * cfg.n_layers) ** 0.5)  # GPT-2 residual scaling
+        D, H = cfg.d_model, cfg.n_heads
+        K, F = D // H, cfg.d_ff or 4 * D
+        std_out = 0.02 / (2 * cfg.n_layers) ** 0.5  # GPT-2's scaling of the residual projections
+        lin = lambda name, eq, shape, axes, n_in, std=0.02: Linear(  # noqa: E731
+            eq, shape, axes, n_in, std, dt, name=name)
 
-        h_BLD = nn.LayerNorm(dtype=dt, scale_init=P(nn.initializers.ones, ("norm",)),
-                             bias_init=P(nn.initializers.zeros, ("norm",)))(x_BLD)
-        qkv = nn.DenseGeneral((3, cfg.n_heads, K), dtype=dt, name="qkv",
-                              kernel_init=P(init, ("embed", None, "heads", "head_dim")),
-                              bias_init=P(nn.initializers.zeros, (None, "heads", "head_dim")))(h_BLD)
-        q_BLHK, k_BLHK, v_BLHK = (nn.with_logical_constraint(qkv[:, :, i], ("batch", "seq", "heads", "head_dim"))
-                                  for i in range(3))
-        o_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, is_causal=True,
-                                              implementation=_attention_impl(cfg))
-        o_BLD = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), dtype=dt, name="proj",
-                                kernel_init=P(out_init, ("heads", "head_dim", "embed")),
-                                bias_init=P(nn.initializers.zeros, ("norm",)))(o_BLHK)
-        x_BLD = x_BLD + nn.Dropout(cfg.dropout)(o_BLD, deterministic=deterministic)
+        h_BLD = _layer_norm(cfg, "ln_1")(x_BLD)
+        qkv_BLTHK = lin("qkv", "BLD,DTHK->BLTHK", (D, 3, H, K), ("embed", None, "heads", "head_dim"), 1)(h_BLD)
+        qkv_BLTHK = checkpoint_name(qkv_BLTHK, "qkv")
+        q_BLHK, k_BLHK, v_BLHK = (
+            nn.with_logical_constraint(qkv_BLTHK[:, :, i], ("batch", "seq", "heads", "head_dim")) for i in range(3))
+        o_BLHK = _attention(cfg, q_BLHK, k_BLHK, v_BLHK)
+        o_BLHK = checkpoint_name(nn.with_logical_constraint(o_BLHK, ("batch", "seq", "heads", "head_dim")),
+                                 "attn_out")
+        o_BLD = lin("proj", "BLHK,HKD->BLD", (H, K, D), ("heads", "head_dim", "embed"), 2, std_out)(o_BLHK)
+        x_BLD = x_BLD + nn.Dropout(cfg.dropout)(o_BLD, deterministic=self.deterministic)
+        x_BLD = nn.with_logical_constraint(x_BLD, ("batch", "seq", "act_embed"))
 
-        h_BLD = nn.LayerNorm(dtype=dt, scale_init=P(nn.initializers.ones, ("norm",)),
-                             bias_init=P(nn.initializers.zeros, ("norm",)))(x_BLD)
-        h_BLF = nn.Dense(F, dtype=dt, name="fc", kernel_init=P(init, ("embed", "mlp")),
-                         bias_init=P(nn.initializers.zeros, ("mlp",)))(h_BLD)
-        h_BLF = nn.gelu(h_BLF)
-        h_BLD = nn.Dense(cfg.d_model, dtype=dt, name="out", kernel_init=P(out_init, ("mlp", "embed")),
-                         bias_init=P(nn.initializers.zeros, ("norm",)))(h_BLF)
-        x_BLD = x_BLD + nn.Dropout(cfg.dropout)(h_BLD, deterministic=deterministic)
-        return nn.with_logical_constraint(x_BLD, ("batch", "seq", "act_embed"))
+        h_BLD = _layer_norm(cfg, "ln_2")(x_BLD)
+        h_BLF = lin("fc", "BLD,DF->BLF", (D, F), ("embed", "mlp"), 1)(h_BLD)
+        h_BLF = nn.gelu(nn.with_logical_constraint(h_BLF, ("batch", "seq", "mlp")), approximate=True)
+        h_BLD = lin("out", "BLF,FD->BLD", (F, D), ("mlp", "embed"), 1, std_out)(h_BLF)
+        x_BLD = x_BLD + nn.Dropout(cfg.dropout)(h_BLD, deterministic=self.deterministic)
+        return nn.with_logical_constraint(x_BLD, ("batch", "seq", "act_embed")), None
+
+
+def _blocks(cfg: ModelConfig, x_BLD, deterministic: bool):
+    block = Block
+    if cfg.remat != "none":
+        # Inside a scan the loop boundary already keeps XLA from merging forward and recomputation.
+        block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan)
+    if not cfg.scan:
+        for i in range(cfg.n_layers):
+            x_BLD, _ = block(cfg, deterministic, name=f"block_{i}")(x_BLD, None)
+        return x_BLD
+    stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+                    length=cfg.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+    x_BLD, _ = stack(cfg, deterministic, name="blocks")(x_BLD, None)
+    return x_BLD
 
 
 class GPT(nn.Module):
@@ -69,22 +157,24 @@ class GPT(nn.Module):
     def __call__(self, tokens_BL, deterministic: bool = True):
         cfg, dt = self.cfg, _dtype(self.cfg)
         init = nn.initializers.normal(0.02)
-        wte = nn.Embed(cfg.vocab_size, cfg.d_model, name="wte", embedding_init=P(init, ("vocab", "embed")))
-        wpe = self.param("wpe", P(nn.initializers.normal(0.01), ("seq", "embed")), (cfg.seq_len, cfg.d_model))
-        x_BLD = wte(tokens_BL) + wpe[None, : tokens_BL.shape[1]]
-        x_BLD = nn.Dropout(cfg.dropout)(x_BLD.astype(dt), deterministic=deterministic)
-        x_BLD = nn.with_logical_constraint(x_BLD, ("batch", "seq", "act_embed"))
-        block = nn.remat(Block, static_argnums=(2,)) if cfg.remat else Block
-        for i in range(cfg.n_layers):
-            x_BLD = block(cfg, name=f"block_{i}")(x_BLD, deterministic)
-        x_BLD = nn.LayerNorm(dtype=dt, name="ln_f", scale_init=P(nn.initializers.ones, ("norm",)),
-                             bias_init=P(nn.initializers.zeros, ("norm",)))(x_BLD)
+        wte_VD = self.param("wte", P(init, ("vocab", "embed")), (cfg.vocab_size, cfg.d_model))
+        wpe_LD = self.param("wpe", P(nn.initializers.normal(0.01), ("seq", "embed")), (cfg.seq_len, cfg.d_model))
+        # The lookup reads whole rows: gather the table's embed shards first (as FSDP does for any weight),
+        # or the partitioner replicates the looked-up activations to reshard them along the batch.
+        table_VD = nn.with_logical_constraint(wte_VD, ("vocab", None))
+        x_BLD = jnp.take(table_VD, tokens_BL, axis=0) + wpe_LD[None, : tokens_BL.shape[1]]
+        x_BLD = nn.with_logical_constraint(x_BLD.astype(dt), ("batch", "seq", "act_embed"))
+        x_BLD = nn.Dropout(cfg.dropout)(x_BLD, deterministic=deterministic)
+        x_BLD = _blocks(cfg, x_BLD, deterministic)
+        x_BLD = _layer_norm(cfg, "ln_f")(x_BLD)
         if cfg.tie_embeddings:
-            logits_BLV = wte.attend(x_BLD)
+            head_DV = wte_VD.T
         else:
-            logits_BLV = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dt, name="lm_head",
-                                  kernel_init=P(init, ("embed", "vocab")))(x_BLD)
-        return logits_BLV.astype(jnp.float32)  # the softmax runs in fp32 whatever the compute dtype
+            head_DV = self.param("lm_head", P(init, ("embed", "vocab")), (cfg.d_model, cfg.vocab_size))
+        # The LM head multiplies in the compute dtype and accumulates in fp32; the softmax runs in fp32.
+        logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD.astype(dt), head_DV.astype(dt),
+                                preferred_element_type=jnp.float32)
+        return nn.with_logical_constraint(logits_BLV, ("batch", "seq", "vocab"))
 
 
 def flops_per_token(cfg: ModelConfig, n_params: int) -> float:

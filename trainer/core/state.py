@@ -14,7 +14,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from trainer.core.mesh import RULES
+from trainer.core.mesh import RULES, active
 from trainer.core.model import GPT
 
 
@@ -44,12 +44,18 @@ def _init_boxed(model: GPT, tx: optax.GradientTransformation, seed: int, seq_len
 
 
 def build(model: GPT, tx: optax.GradientTransformation, mesh: Mesh, *, seed: int, seq_len: int) -> StateSpec:
-    boxed = jax.eval_shape(lambda: _init_boxed(model, tx, seed, seq_len))
+    with active(mesh):
+        boxed = jax.eval_shape(lambda: _init_boxed(model, tx, seed, seq_len))
     specs = nn.get_partition_spec(boxed)
     shardings = nn.logical_to_mesh_sharding(specs, mesh, RULES)
     unboxed = nn.meta.unbox(boxed)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unboxed, shardings)
-    init = jax.jit(lambda: nn.meta.unbox(_init_boxed(model, tx, seed, seq_len)), out_shardings=shardings)
+    init_fn = jax.jit(lambda: nn.meta.unbox(_init_boxed(model, tx, seed, seq_len)), out_shardings=shardings)
+
+    def init():
+        with active(mesh):  # traced on first call
+            return init_fn()
+
     return StateSpec(model, tx, shardings, abstract, init)
 
 

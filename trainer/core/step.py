@@ -1,27 +1,60 @@
-"""Pure train step: loss, gradients, clipped AdamW update and the step's metrics."""
+"""Pure train step: loss and gradients (over k microbatches when asked), clipped AdamW update, the step's
+metrics; lowered under the mesh and the logical-axis rules so the model's activation shardings hold."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from trainer.config import Config
+from trainer.core import mesh as mesh_lib
+from trainer.core import optim
 from trainer.core.state import StateSpec
 
 
-def make_train_step(spec: StateSpec, batch_sharding, metrics_sharding, lr_schedule):
-    model, tx = spec.model, spec.tx
+def _grads(spec: StateSpec, mesh: Mesh, microbatches: int):
+    """(params, tokens, key) -> (mean loss, mean gradients) over the whole global batch."""
+    model, k = spec.model, microbatches
+
+    def loss_fn(params, tokens_BL1, key):
+        logits_BLV = model.apply({"params": params}, tokens_BL1[:, :-1], deterministic=False, rngs={"dropout": key})
+        return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, tokens_BL1[:, 1:]).mean()
+
+    grad_fn = jax.value_and_grad(loss_fn)
+    if k == 1:
+        return lambda params, tokens_BL1, key: grad_fn(params, tokens_BL1, jax.random.fold_in(key, 0))
+    grad_sh = spec.shardings["params"]
+
+    def accumulated(params, tokens_BL1, key):
+        B = tokens_BL1.shape[0]
+        # Microbatch i is rows i, i+k, i+2k, ...: every device holds an equal share of every microbatch.
+        tokens_kbL1 = tokens_BL1.reshape(B // k, k, -1).swapaxes(0, 1)
+        tokens_kbL1 = jax.lax.with_sharding_constraint(
+            tokens_kbL1, NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"))))
+
+        def body(acc, i_tokens):
+            i, tokens_bL1 = i_tokens
+            loss, g = grad_fn(params, tokens_bL1, jax.random.fold_in(key, i))  # distinct dropout per slice
+            g_sum = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, acc[1], g), grad_sh)
+            return (acc[0] + loss, g_sum), None
+
+        zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), grad_sh)
+        (loss_sum, g_sum), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), (jnp.arange(k), tokens_kbL1))
+        return loss_sum / k, jax.tree.map(lambda g: g / k, g_sum)
+
+    return accumulated
+
+
+def make_train_step(spec: StateSpec, mesh: Mesh, *, lr_schedule, microbatches: int = 1):
+    tx = spec.tx
+    grads_of = _grads(spec, mesh, microbatches)
 
     def train_step(state, tokens_BL1):
-        inputs_BL, targets_BL = tokens_BL1[:, :-1], tokens_BL1[:, 1:]
         dropout_key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
-
-        def loss_fn(params):
-            logits_BLV = model.apply({"params": params}, inputs_BL, deterministic=False,
-                                     rngs={"dropout": dropout_key})
-            return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        loss, grads = grads_of(state["params"], tokens_BL1, dropout_key)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         hp = state["opt_state"].hyperparams
         metrics = {
@@ -40,10 +73,20 @@ def make_train_step(spec: StateSpec, batch_sharding, metrics_sharding, lr_schedu
 
     return jax.jit(
         train_step,
-        in_shardings=(spec.shardings, batch_sharding),
-        out_shardings=(spec.shardings, metrics_sharding),
+        in_shardings=(spec.shardings, mesh_lib.batch_sharding(mesh)),
+        out_shardings=(spec.shardings, mesh_lib.replicated(mesh)),
         donate_argnums=0,
     )
+
+
+def lower_train_step(spec: StateSpec, mesh: Mesh, cfg: Config, *, microbatches: int) -> jax.stages.Lowered:
+    """The train step traced for the config's global batch, under the mesh and the logical-axis rules."""
+    step_fn = make_train_step(spec, mesh, lr_schedule=optim.schedule(cfg.optim, cfg.train.steps),
+                              microbatches=microbatches)
+    tokens = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.model.seq_len + 1), np.int32,
+                                  sharding=mesh_lib.batch_sharding(mesh))
+    with mesh_lib.active(mesh):
+        return step_fn.lower(spec.abstract, tokens)
 
 
 def all_finite(metrics) -> bool:

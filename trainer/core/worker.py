@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -50,6 +51,7 @@ class Worker:
     n_params: int
     replicas: ReplicaCheck | None  # integrity.replica_check_steps > 0: compares data-parallel copies of the params
     eval_windows: np.ndarray | None  # this process's rows of the fixed eval batches (None: eval off)
+    microbatches: int  # train.microbatches, raised when the group shrank (elastic_microbatches)
     # Observers of each step's metrics: objects with on_step(step, rec) -> action dict | None.
     monitors: list = dataclasses.field(default_factory=list)
 
@@ -89,9 +91,32 @@ def check_resume(saved: dict, cfg: Config, fingerprint: str) -> list[str]:
     return changes
 
 
-def validate_shapes(cfg: Config, mesh_shape: tuple[int, int, int], processes: int, corpus: data.Corpus) -> None:
+def elastic_microbatches(cfg: Config, processes: int) -> int:
+    """train.microbatches, times the factor by which the group shrank below launch.processes (the launcher
+    shrinks only to a divisor): same global batch, same per-device batch, more slices per step."""
+    if processes < cfg.launch.processes and cfg.launch.processes % processes == 0:
+        return cfg.train.microbatches * (cfg.launch.processes // processes)
+    return cfg.train.microbatches
+
+
+STACK = ("jax", "jaxlib", "flax", "optax")  # bitwise resume is promised only within one version of each
+
+
+def stack_changes(saved: dict, cfg: Config) -> list[str]:
+    """What differs from the checkpoint's software stack: versions, or XLA's deterministic-ops setting."""
+    now, old = versions(), saved.get("versions", {})
+    out = [f"{pkg} {old.get(pkg)} -> {now.get(pkg)}" for pkg in STACK if old.get(pkg) != now.get(pkg)]
+    was = saved["config"]["run"].get("deterministic", False)
+    if was != cfg.run.deterministic:
+        out.append(f"run.deterministic {was} -> {cfg.run.deterministic}")
+    return out
+
+
+def validate_shapes(cfg: Config, mesh_shape: tuple[int, int, int], processes: int, microbatches: int,
+                    corpus: data.Corpus | None) -> None:
+    """Shapes the mesh and batch must divide; `corpus` None: sizing a run without its data (inspect)."""
     data_par, _, tensor = mesh_shape
-    if cfg.model.vocab_size < corpus.vocab_size:
+    if corpus is not None and cfg.model.vocab_size < corpus.vocab_size:
         raise ConfigError(
             f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's vocabulary "
             f"({corpus.vocab_size}, {corpus.meta['tokenizer']} in {corpus.dir}); set model.vocab_size >= "
@@ -104,6 +129,10 @@ def validate_shapes(cfg: Config, mesh_shape: tuple[int, int, int], processes: in
     if cfg.data.batch_size % shards or cfg.data.batch_size % processes:
         raise ConfigError(f"data.batch_size ({cfg.data.batch_size}) must be divisible by data x fsdp ({shards})"
                           f" and by the process count ({processes})")
+    if (cfg.data.batch_size // shards) % microbatches:
+        raise ConfigError(f"data.batch_size / (data x fsdp) = {cfg.data.batch_size // shards} sequences per device"
+                          f" must be divisible by train.microbatches ({microbatches}"
+                          f"{', raised for the shrunk group' if microbatches != cfg.train.microbatches else ''})")
 
 
 def versions() -> dict:
@@ -127,12 +156,27 @@ def _load_data(cfg: Config) -> tuple[data.Corpus, np.ndarray | None, float]:
     return corpus, windows, time.perf_counter() - t0
 
 
+def _announce_changes(cfg: Config, events: EventLog, saved: dict | None, microbatches: int, *, primary: bool) -> None:
+    """What this start changes against the plan or the checkpoint: a shrunk group's microbatches, another
+    software stack (an event, and one stderr line: bitwise resume no longer holds)."""
+    if microbatches != cfg.train.microbatches:
+        events.write("elastic_microbatches", processes=jax.process_count(), planned=cfg.launch.processes,
+                     microbatches=microbatches, detail="the group shrank: same global and per-device batch")
+    if saved and (stack := stack_changes(saved, cfg)):
+        events.write("stack_changed", changes=stack, meaning="resumed on another software stack: the run "
+                     "continues, but bitwise equality with an uninterrupted run is no longer promised")
+        if primary:
+            print(f"warning: resuming on another software stack ({'; '.join(stack)}): not bitwise resumable",
+                  file=sys.stderr)
+
+
 def setup(cfg: Config) -> Worker:
     """Validate everything that can be wrong before the first write to the run dir, then build."""
     run_dir = Path(cfg.run.dir)
     corpus, eval_windows, data_s = _load_data(cfg)
     shape = mesh_lib.mesh_shape(cfg.mesh, jax.device_count())
-    validate_shapes(cfg, shape, jax.process_count(), corpus)
+    microbatches = elastic_microbatches(cfg, jax.process_count())
+    validate_shapes(cfg, shape, jax.process_count(), microbatches, corpus)
     saved = tiers.saved_meta(run_dir, cfg.checkpoint)
     changes = check_resume(saved, cfg, corpus.fingerprint) if saved else []
 
@@ -150,6 +194,7 @@ def setup(cfg: Config) -> Worker:
     events.write("data_ready", seconds=data_s, dir=str(corpus.dir), source=corpus.source,
                  tokenizer=corpus.meta["tokenizer"], vocab_size=corpus.vocab_size, n_tokens=corpus.n_tokens,
                  n_val_tokens=corpus.n_val_tokens, fingerprint=corpus.fingerprint, prepared_now=corpus.fresh)
+    _announce_changes(cfg, events, saved, microbatches, primary=primary)
     mesh = mesh_lib.make_mesh(cfg.mesh)
     tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
     spec = state_lib.build(GPT(cfg.model), tx, mesh, seed=cfg.run.seed, seq_len=cfg.model.seq_len)
@@ -169,7 +214,7 @@ def setup(cfg: Config) -> Worker:
         events=events, scalars=scalars, heartbeat=Heartbeat(run_dir, jax.process_index(), data=corpus.fingerprint),
         faults=faults, skips=rb.skips, hyperparams=rb.hyperparams(), n_params=state_lib.param_count(spec.abstract),
         replicas=ReplicaCheck(mesh, spec.abstract["params"]) if cfg.integrity.replica_check_steps else None,
-        eval_windows=eval_windows,
+        eval_windows=eval_windows, microbatches=microbatches,
     )
     # Dashboard: grad-norm trend, throughput drop, hardware health (ECC rising -> checkpoint now), markers.
     w.monitors.extend(alerts.build(cfg, run_dir=run_dir, events=events, scalars=scalars, faults=faults))

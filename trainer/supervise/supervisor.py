@@ -92,6 +92,9 @@ class Supervisor:
         beats = [(hb["phase"], hb["time"], hb["step"], i) if hb else ("startup", att.started, None, i)
                  for i, hb in enumerate(self._heartbeats(att))]
         phase, since, step, process = min(beats, key=lambda b: (time.time() - b[1]) / self._timeout(b[0]))
+        # Say where the group is stuck: its lowest step (hosts dispatch a step ahead of their devices, so the
+        # peers of a hung process may have started the next one before waiting on it).
+        step = min((b[2] for b in beats if b[2] is not None), default=step)
         silent = time.time() - since
         self._warn_overdue(att, phase, since, silent, step)
         if silent <= self._timeout(phase):
@@ -124,11 +127,16 @@ class Supervisor:
         pids = att.proc.worker_pids() or [hb["pid"] for hb in self._heartbeats(att) if hb]
         att.proc.send_signal(signal.SIGUSR1)
         files = [self.run_dir / "stacks" / f"worker-{pid}.txt" for pid in pids]
-        written = lambda f: f.is_file() and f.stat().st_size > 0
+        sizes: dict = {}
+
+        def written(f) -> bool:  # and no longer growing: faulthandler writes one thread after another
+            prev, sizes[f] = sizes.get(f), (f.stat().st_size if f.is_file() else 0)
+            return sizes[f] > 0 and sizes[f] == prev
+
         deadline = time.time() + 3
         while time.time() < deadline and not all(map(written, files)):
             time.sleep(0.1)
-        for f in filter(written, files):
+        for f in filter(lambda f: sizes.get(f), files):
             self.events.write("stacks_dumped", path=str(f))
 
     def _wait(self, att: Attempt) -> int:

@@ -1,0 +1,222 @@
+"""`python -m trainer inspect --config FILE [--set k=v ...] [--json]`: size a run before spending GPU-hours.
+
+Compiles the config's train step for its mesh without training or allocating the state, and reports per
+device what XLA's compiled executable says: state bytes, temporary (activation) bytes from its memory
+analysis, collective bytes per step by kind and matmul FLOPs from its optimized HLO (trainer.core.hlo),
+and an MFU ceiling for a GPU. Without enough GPUs here it compiles on fake CPU devices of the mesh's size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+
+from trainer.config import Config, ConfigError, load_config
+
+GIB = 1 << 30
+# name: dense bf16 peak FLOP/s, memory bytes, NVLink bytes/s per GPU per direction, network bytes/s per GPU.
+GPUS = {
+    "H100": (989e12, 80 * GIB, 450e9, 50e9),
+    "H200": (989e12, 141 * GIB, 450e9, 50e9),
+    "A100": (312e12, 80 * GIB, 300e9, 25e9),
+}
+HOST_GPUS = 8  # devices per host: collectives whose groups span hosts are priced at the network's bandwidth
+MEM_FRACTION = 0.90  # of device memory XLA may use (launch/slurm.sbatch's XLA_PYTHON_CLIENT_MEM_FRACTION)
+
+HELP = """MFU ceilings (model FLOPs = the formula the training loop logs MFU with; peak = the GPU's dense
+bf16 figure): "compute" = model FLOPs / compiled matmul FLOPs, the MFU if every compiled matmul ran at peak
+and nothing else took time (remat recompute lowers it); "serial" also adds the collectives' time at the
+link's bandwidth (NVLink inside a host of 8, the network for groups that span hosts; all-reduce counted
+twice, as a ring moves it) as if none overlapped with compute.
+A real step lands below both: elementwise work, attention kernels and launch gaps are not counted.
+On fake CPU devices the memory figures are the CPU compiler's: attention there materialises the L x L
+scores (cuDNN's fused kernel does not), so temp bytes are an upper bound for a GPU."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer inspect", description=__doc__.splitlines()[0],
+                                epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="YAML file of differences from the defaults")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("--gpu", default="H100", choices=sorted(GPUS), help="GPU to price memory and MFU for")
+    p.add_argument("--devices", type=int, default=0,
+                   help="device count (default: the mesh's; with mesh.data=-1, data = launch.processes)")
+    return p
+
+
+def device_count(cfg: Config, devices: int) -> int:
+    if devices:
+        return devices
+    if cfg.mesh.cpu_devices:
+        return cfg.mesh.cpu_devices * cfg.launch.processes
+    data = cfg.mesh.data if cfg.mesh.data > 0 else cfg.launch.processes
+    return data * cfg.mesh.fsdp * cfg.mesh.tensor
+
+
+def _devices(n: int):
+    """n devices of this machine's accelerator if it has them, else n fake CPU devices."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", n)  # before any backend starts; harmless for a GPU
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if len(gpus) >= n:
+        return gpus[:n], f"{n} x {gpus[0].device_kind}"
+    jax.config.update("jax_platforms", "cpu")
+    return jax.devices("cpu")[:n], f"{n} fake CPU devices (abstract compile; no GPU here)"
+
+
+def _stand_in(cfg: Config, devices: list) -> tuple[Config, str]:
+    """On CPU devices a run that would use cuDNN's fused attention compiles XLA's path with the scores
+    recomputed in the backward pass: no kernel, but the kernel's memory profile."""
+    from trainer.core.model import attention_impl
+
+    on_gpu = attention_impl(cfg.model, "gpu")
+    if devices[0].platform == "gpu" or on_gpu != "cudnn":
+        return cfg, attention_impl(cfg.model, devices[0].platform)
+    model = dataclasses.replace(cfg.model, attention="xla_remat")
+    return dataclasses.replace(cfg, model=model), "xla_remat (stand-in for cudnn on CPU)"
+
+
+def _shard_bytes(tree) -> int:
+    import jax
+
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def compile_for(cfg: Config, devices: list):
+    """(state spec, mesh, compiled step) for the config on these devices."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from trainer.core import mesh as mesh_lib
+    from trainer.core import optim
+    from trainer.core import state as state_lib
+    from trainer.core.model import GPT
+    from trainer.core.step import lower_train_step
+    from trainer.core.worker import validate_shapes
+
+    shape = mesh_lib.mesh_shape(cfg.mesh, len(devices))
+    validate_shapes(cfg, shape, cfg.launch.processes, cfg.train.microbatches, None)
+    mesh = Mesh(np.array(devices).reshape(shape), mesh_lib.AXES)
+    spec = state_lib.build(GPT(cfg.model), optim.make_optimizer(cfg.optim, cfg.train.steps), mesh,
+                           seed=cfg.run.seed, seq_len=cfg.model.seq_len)
+    return spec, mesh, lower_train_step(spec, mesh, cfg, microbatches=cfg.train.microbatches).compile()
+
+
+def measure(cfg: Config, devices: list, gpu: str) -> dict:
+    from trainer.core import hlo
+    from trainer.core.model import flops_per_token
+    from trainer.core.state import param_count
+
+    spec, mesh, compiled = compile_for(cfg, devices)
+    n = len(devices)
+    mem = compiled.memory_analysis()
+    stats = hlo.analyze(compiled.as_text(), host_size=HOST_GPUS)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost  # older jax returned one dict per program
+    model_flops = flops_per_token(cfg.model, param_count(spec.abstract)) * cfg.data.batch_size * cfg.model.seq_len / n
+    peak_bytes = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + \
+        mem.temp_size_in_bytes
+    return {
+        "mesh": dict(zip(mesh.axis_names, mesh.devices.shape)),
+        "devices": n,
+        "n_params": param_count(spec.abstract),
+        "microbatches": cfg.train.microbatches,
+        "sequences_per_device": cfg.data.batch_size // (n // cfg.mesh.tensor),
+        "bytes_per_device": {
+            "params": _shard_bytes(spec.abstract["params"]),
+            "optimizer": _shard_bytes(spec.abstract["opt_state"]),
+            "arguments": mem.argument_size_in_bytes,
+            "temp": mem.temp_size_in_bytes,
+            "outputs_not_aliased": mem.output_size_in_bytes - mem.alias_size_in_bytes,
+            "peak": peak_bytes,
+        },
+        "collective_bytes_per_step": stats.collective_bytes,
+        "collective_ops_per_step": stats.collective_ops,
+        "collective_bytes_total": stats.total_collective_bytes,
+        "collective_bytes_inter_host": stats.inter_host_bytes,
+        "flops_per_device_per_step": {
+            "model": model_flops,
+            "compiled_matmul": stats.matmul_flops,
+            "xla_cost_analysis": float(cost.get("flops", 0.0)),  # counts each loop body once
+        },
+        "unknown_loop_trip_counts": stats.unknown_trip_counts,
+        **_ceiling(gpu, n, model_flops, stats, peak_bytes),
+    }
+
+
+def _ceiling(gpu: str, n: int, model_flops: float, stats, peak_bytes: int) -> dict:
+    peak, capacity, nvlink, network = GPUS[gpu]
+    total = stats.total_collective_bytes
+    wire = total + stats.collective_bytes["all-reduce"]  # a ring moves an all-reduce's bytes twice
+    inter = stats.inter_host_bytes / total if total else 0.0
+    t_compute, t_comm = stats.matmul_flops / peak, wire * ((1 - inter) / nvlink + inter / network)
+    return {
+        "gpu": gpu,
+        "gpu_memory_bytes": capacity,
+        "fits": peak_bytes <= MEM_FRACTION * capacity,
+        "link_bytes_per_s": {"nvlink": nvlink, "network": network},
+        "mfu_ceiling": {
+            "compute": model_flops / stats.matmul_flops if stats.matmul_flops else None,
+            "serial": (model_flops / peak) / (t_compute + t_comm) if t_compute + t_comm else None,
+        },
+    }
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def render(r: dict) -> str:
+    b, f = r["bytes_per_device"], r["flops_per_device_per_step"]
+    lines = [
+        f"{r['config']}: {r['n_params'] / 1e6:.1f}M params on {r['platform']}; attention {r['attention']}",
+        f"mesh {' x '.join(f'{k}={v}' for k, v in r['mesh'].items())}; {r['sequences_per_device']} sequences per "
+        f"device per step in {r['microbatches']} microbatch(es)",
+        "",
+        "per device                     bytes",
+        *(f"  {k:<28} {_fmt_bytes(v)}" for k, v in b.items()),
+        f"  fits {r['gpu']} ({_fmt_bytes(r['gpu_memory_bytes'])} x {MEM_FRACTION}): {'yes' if r['fits'] else 'NO'}",
+        "",
+        "collectives per step, per device (bytes, ops)",
+        *(f"  {k:<28} {_fmt_bytes(v)}  x{r['collective_ops_per_step'][k]}"
+          for k, v in r["collective_bytes_per_step"].items() if r["collective_ops_per_step"][k]),
+        f"  {'total':<28} {_fmt_bytes(r['collective_bytes_total'])}"
+        f" ({_fmt_bytes(r['collective_bytes_inter_host'])} across hosts of {HOST_GPUS})",
+        "",
+        f"FLOPs per device per step: model {f['model']:.3g}, compiled matmuls {f['compiled_matmul']:.3g}, "
+        f"XLA cost analysis {f['xla_cost_analysis']:.3g} (loop bodies once)",
+        f"MFU ceiling on {r['gpu']}: compute {_pct(r['mfu_ceiling']['compute'])}, with collectives serial "
+        f"{_pct(r['mfu_ceiling']['serial'])} (see --help)",
+    ]
+    return "\n".join(lines)
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.set)
+        n = device_count(cfg, args.devices)
+        devices, platform = _devices(n)
+        cfg, note = _stand_in(cfg, devices)
+        report = {"config": args.config, "platform": platform, "attention": note,
+                  **measure(cfg, devices, args.gpu)}
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=1) if args.json else render(report))
+    return 0
