@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 from conftest import ROOT, child_env, events, run_trainer, step_losses, summary, trainer_cmd
 
+from trainer.observe import manifest
 from trainer.supervise import exit_codes
 
 LONG = ["train.steps=60"]  # long enough to be killed several times
@@ -106,7 +107,8 @@ def test_sigkill_to_the_supervisor_leaves_no_worker_and_rerun_resumes(tmp_path, 
     run = tmp_path / "run"
     sup = _start(run)
     hb = _worker_at(run, 15)
-    _wait_for(lambda: (run / "checkpoints" / "10").is_dir(), 60, "checkpoint 10 to be committed")
+    # sealed, not merely committed: a checkpoint killed before its manifest is written is not trusted
+    _wait_for(lambda: manifest.sealed(run / "checkpoints" / "10"), 60, "checkpoint 10 to be sealed")
     sup.kill()
     sup.wait()
     _wait_for(lambda: not psutil.pid_exists(hb["pid"]) or psutil.Process(hb["pid"]).status() == "zombie",
