@@ -57,12 +57,38 @@ class Tok:
         enc = tiktoken_encoding(self.payload)
         return lambda doc: np.asarray(enc.encode_ordinary(_text(doc)), np.uint32)
 
+    def decoder(self):
+        """A callable token ids -> text. Ids the tokenizer does not know (a model's padded vocabulary) are
+        left out; bytes that do not form UTF-8 become U+FFFD."""
+        if self.kind == "bytes":
+            return lambda ids: bytes(i for i in ids if i < 256).decode(errors="replace")
+        known = lambda ids: [int(i) for i in ids if 0 <= i < self.vocab_size]  # noqa: E731
+        if self.kind == "hf":
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_str(self.payload)
+            return lambda ids: tok.decode(known(ids), skip_special_tokens=False)
+        enc = tiktoken_encoding(self.payload)
+        return lambda ids: enc.decode(known(ids))
+
 
 def _text(doc: str | bytes) -> str:
     return doc if isinstance(doc, str) else doc.decode(errors="replace")
 
 
 BYTES = Tok("bytes", "bytes", "", BYTES_VOCAB, 256)
+
+
+def of_prepared(directory: Path, meta: dict) -> Tok:
+    """The tokenizer a prepared DIR was tokenized with (its meta.json and tokenizer.json)."""
+    if (Path(directory) / "tokenizer.json").is_file():
+        return from_tokenizer_json(Path(directory) / "tokenizer.json")
+    if meta["tokenizer"] == BYTES.name:
+        return BYTES
+    if meta["tokenizer"].startswith("tiktoken:"):
+        return resolve(meta["tokenizer"])
+    raise ConfigError(f"{directory}: meta.json names tokenizer {meta['tokenizer']!r}, but its tokenizer.json is "
+                      f"missing; prepare the data again")
 
 
 def bpe_size(spec: str) -> int | None:
