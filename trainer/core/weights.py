@@ -59,8 +59,9 @@ def saved_shapes(step_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def abstract_params(cfg: ModelConfig) -> Any:
-    """The param tree a model config builds (shapes and dtypes only: nothing is initialised)."""
-    model = GPT(cfg)
+    """The param tree a model config builds (shapes and dtypes only: nothing is initialised; the attention
+    kernel does not change them, and a GPU's cuDNN one would not trace on a CPU)."""
+    model = GPT(dataclasses.replace(cfg, attention="xla"))
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32))["params"])
     return nn.meta.unbox(boxed)
 
