@@ -73,15 +73,22 @@ def gpt2_config(cfg: ModelConfig, eos_id: int) -> dict:
 
 def _tokenizer_files(tmp: Path, tok: weights.RunTokenizer, cfg: ModelConfig) -> list[str]:
     """The run's tokenizer.json and a tokenizer_config.json that makes it load as a fast tokenizer."""
-    if tok.dir is None or not (tok.dir / TOKENIZER).is_file():
+    if tok.file is None:
         return []
-    shutil.copyfile(tok.dir / TOKENIZER, tmp / TOKENIZER)
+    shutil.copyfile(tok.file, tmp / TOKENIZER)
     from tokenizers import Tokenizer
 
     eos = Tokenizer.from_file(str(tmp / TOKENIZER)).id_to_token(tok.eos_id)
     write_json(tmp / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
                                                 "bos_token": eos, "model_max_length": cfg.seq_len})
     return [TOKENIZER, "tokenizer_config.json"]
+
+
+def _no_file(tok: weights.RunTokenizer) -> str:
+    """What to tell about a tokenizer that has no file to export."""
+    if tok.name == "bytes":
+        return "; tokenizer bytes has no file: ids 0-255 are UTF-8 bytes, 256 ends a text"
+    return f"; tokenizer {tok.name!r} has no file to export (eos id {tok.eos_id})"
 
 
 def write(out: Path, loaded: weights.Loaded, tok: weights.RunTokenizer) -> list[str]:
@@ -99,7 +106,7 @@ def write(out: Path, loaded: weights.Loaded, tok: weights.RunTokenizer) -> list[
         save_file(gpt2_tensors(loaded.params, cfg), str(tmp / MODEL), metadata={
             "format": "pt", "trainer_checkpoint": str(loaded.picked.dir.absolute()),
             "trainer_step": str(loaded.picked.step), "trainer_params_sha256": params_sha256(loaded.params),
-            "trainer_tokenizer": tok.tok.name if tok.tok else "imported tokens"})
+            "trainer_tokenizer": tok.name})
         files = [CONFIG, MODEL, *_tokenizer_files(tmp, tok, cfg)]
         umask = os.umask(0)
         os.umask(umask)
@@ -143,5 +150,5 @@ def main(argv: list[str]) -> int:
     check = "verified" if picked.verified else "UNVERIFIED (saved without content manifests)"
     n = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(loaded.params))
     print(f"exported step {picked.step} of {picked.dir} ({check}, {n / 1e6:.3g}M params) to {out}: {', '.join(files)}"
-          + ("" if tok.dir else f"; tokenizer {tok.tok.name if tok.tok else 'none'}: no file to export"))
+          + ("" if tok.file else _no_file(tok)))
     return 0

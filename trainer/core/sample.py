@@ -87,16 +87,15 @@ def main(argv: list[str]) -> int:
                 raise ConfigError(f"{flag} must be >= {low}, got {v}")
         picked = pick.pick(args.run_dir, args.step)
         loaded = weights.on_cpu(picked)
-        tok = weights.tokenizer_of(picked.run_dir, loaded.meta)
-        if tok.tok is None:
-            raise ConfigError(f"the run trained on imported token ids ({tok.dir}): no tokenizer to encode a prompt")
+        run_tok = weights.tokenizer_of(picked.run_dir, loaded.meta)
+        tok = run_tok.load()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    prompt_ids = [int(i) for i in tok.tok.encoder()(args.prompt)] or [tok.eos_id]
+    prompt_ids = [int(i) for i in tok.encoder()(args.prompt)] or [tok.eos_id]
     new = generate(loaded, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, seed=args.seed, eos_id=tok.eos_id)
-    text = tok.tok.decoder()([i for i in new if i != tok.eos_id])
+    text = tok.decoder()([i for i in new if i != tok.eos_id])
     if args.json:
         print(json.dumps({"prompt_ids": prompt_ids, "new_ids": new, "text": text}))
     else:

@@ -118,14 +118,30 @@ def init_source(cfg: Config) -> dict | None:
         raise ConfigError(f"train.init_from: {e}") from None
     check_shapes(abstract_params(cfg.model), picked.dir, key="train.init_from")
     return {"path": cfg.train.init_from, "checkpoint": str(picked.dir.absolute()), "from_step": picked.step,
-            "verified": picked.verified}
+            "verified": picked.verified, **({"skipped": picked.notes} if picked.notes else {})}
 
 
 @dataclasses.dataclass(frozen=True)
 class RunTokenizer:
-    tok: tokenizer.Tok | None  # None: the run trained on imported token ids (no tokenizer known)
+    name: str  # as meta.json names it: bytes | bpe:N | tokenizer.json sha256:... | tiktoken:NAME | imported tokens
     eos_id: int
-    dir: Path | None  # the prepared DIR it came from (its tokenizer.json is exported), None for bytes
+    dir: Path | None  # the prepared DIR it was read from; None: the bytes tokenizer (no file to find)
+
+    @property
+    def file(self) -> Path | None:
+        """The Hugging Face tokenizer.json (bpe:N and tokenizer.json specs), exported with the model."""
+        f = self.dir / tokenizer.HF_FILE if self.dir else None
+        return f if f and f.is_file() else None
+
+    def load(self) -> tokenizer.Tok:
+        """The tokenizer itself (to encode and decode); ConfigError when the run has none."""
+        if self.name == IMPORTED:
+            raise ConfigError(f"the run trained on imported token ids ({self.dir}): there is no tokenizer to "
+                              f"encode or decode text with")
+        return tokenizer.of_prepared(self.name, self.file)
+
+
+IMPORTED = "imported tokens"  # meta.json's tokenizer for `prepare --from-tokens`
 
 
 def tokenizer_of(run_dir: Path | None, meta: dict) -> RunTokenizer:
@@ -140,16 +156,13 @@ def tokenizer_of(run_dir: Path | None, meta: dict) -> RunTokenizer:
         if shards.is_prepared(d):
             prepared = json.loads((d / shards.META).read_text())
             if prepared["fingerprint"] == meta["data_fingerprint"]:
-                if prepared["tokenizer"] == "imported tokens":
-                    return RunTokenizer(None, prepared["eos_id"], d)
-                tok = tokenizer.of_prepared(d, prepared)
-                return RunTokenizer(tok, tok.eos_id, None if tok.kind == "bytes" else d)
+                return RunTokenizer(prepared["tokenizer"], prepared["eos_id"], d)
     # The bytes tokenizer needs no file: enough to know that the run used it.
     path = Path(data["path"]).expanduser()
     raw = not data["path"] or (path.exists() and not shards.is_prepared(path))  # data.tokenizer applied to it
     name = ready["tokenizer"] if ready else data["tokenizer"] if raw else None
     if name == tokenizer.BYTES.name:
-        return RunTokenizer(tokenizer.BYTES, tokenizer.BYTES.eos_id, None)
+        return RunTokenizer(name, tokenizer.BYTES.eos_id, None)
     raise ConfigError(f"the data this checkpoint was trained on (tokenizer {name or data['tokenizer']!r}, fingerprint "
                       f"{meta['data_fingerprint'][:12]}) is not where the run found it "
                       f"({', '.join(map(str, places)) or 'no data_ready event'}); prepare it again there")

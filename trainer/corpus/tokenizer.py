@@ -24,6 +24,7 @@ EOT = "<|endoftext|>"
 # End-of-text tokens a tokenizer.json may carry, in the order they are looked for.
 EOS_NAMES = (EOT, "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "<|im_end|>")
 BYTES_VOCAB = 257
+HF_FILE = "tokenizer.json"  # a Hugging Face tokenizer, saved beside the shards of a prepared DIR
 SPEC_FORMS = "bytes, bpe:N (N >= 258), a path to a tokenizer.json, or a tiktoken encoding name (tiktoken:NAME)"
 
 
@@ -38,11 +39,11 @@ class Tok:
     @property
     def file(self) -> str | None:
         """The tokenizer file written into a prepared DIR (None: nothing to save)."""
-        return "tokenizer.json" if self.kind == "hf" else None
+        return HF_FILE if self.kind == "hf" else None
 
     def save(self, out: Path) -> None:
         if self.kind == "hf":
-            (out / "tokenizer.json").write_text(self.payload)
+            (out / HF_FILE).write_text(self.payload)
 
     def encoder(self):
         """A callable doc (str | bytes) -> token ids (np.ndarray, without the end-of-text id)."""
@@ -79,16 +80,15 @@ def _text(doc: str | bytes) -> str:
 BYTES = Tok("bytes", "bytes", "", BYTES_VOCAB, 256)
 
 
-def of_prepared(directory: Path, meta: dict) -> Tok:
-    """The tokenizer a prepared DIR was tokenized with (its meta.json and tokenizer.json)."""
-    if (Path(directory) / "tokenizer.json").is_file():
-        return from_tokenizer_json(Path(directory) / "tokenizer.json")
-    if meta["tokenizer"] == BYTES.name:
+def of_prepared(name: str, hf_file: Path | None) -> Tok:
+    """The tokenizer a prepared DIR was tokenized with: meta.json's `tokenizer` and its tokenizer.json if any."""
+    if hf_file is not None:
+        return from_tokenizer_json(hf_file)
+    if name == BYTES.name:
         return BYTES
-    if meta["tokenizer"].startswith("tiktoken:"):
-        return resolve(meta["tokenizer"])
-    raise ConfigError(f"{directory}: meta.json names tokenizer {meta['tokenizer']!r}, but its tokenizer.json is "
-                      f"missing; prepare the data again")
+    if name.startswith("tiktoken:"):
+        return resolve(name)
+    raise ConfigError(f"tokenizer {name!r}: its {HF_FILE} is missing from the prepared data; prepare it again")
 
 
 def bpe_size(spec: str) -> int | None:
