@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -166,7 +167,12 @@ def test_independent_gpt2_forward_matches_the_trainer_and_greedy_sample(exported
     run, out = exported
     cfg, w = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
     assert (cfg["n_embd"], cfg["n_layer"], cfg["n_head"], cfg["n_positions"], cfg["vocab_size"]) == (64, 2, 4, 64, 384)
-    assert cfg["layer_norm_epsilon"] == LN_EPS and cfg["eos_token_id"] == 256 and "lm_head.weight" not in w
+    assert cfg["layer_norm_epsilon"] == LN_EPS and cfg["eos_token_id"] == 256 and cfg["tie_word_embeddings"]
+    per_layer = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
+    assert set(w) == {f"transformer.{n}.{p}" for n in ("wte", "wpe") for p in ("weight",)} | {
+        f"transformer.ln_f.{p}" for p in ("weight", "bias")} | {
+        f"transformer.h.{i}.{m}.{p}" for i in range(2) for m in per_layer for p in ("weight", "bias")}
+    assert w["transformer.h.0.attn.c_attn.weight"].shape == (64, 192) and w["transformer.wte.weight"].shape == (384, 64)
     ids = list(TEXT[:64])
     ours, theirs = trainer_logits(run, ids), gpt2_logits(cfg, w, ids)
     diff = float(np.abs(ours - theirs).max())
@@ -276,6 +282,22 @@ def test_export_does_not_depend_on_the_mesh_or_process_count_that_saved(exported
         assert got == sharded[str(run)] and len(got) == 4 + 12 * 2
         print(f"{name} ({', '.join(shards)}): {len(got)} tensors equal by sha256 between the one-device export and "
               f"the 8-device sharded restore; params_sha256 {meta['trainer_params_sha256'][:16]} = summary.json's")
+
+
+def test_export_verifies_first_a_damaged_checkpoint_is_skipped_or_refused(fine_tuned, tmp_path):
+    run = tmp_path / "copy"
+    shutil.copytree(fine_tuned, run)
+    victim = max((p for p in (run / "checkpoints" / "8" / "state").rglob("*") if p.is_file()),
+                 key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    p = cli("export", str(run), "--out", str(tmp_path / "named"), "--step", "8")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and not (tmp_path / "named").exists(), p.stderr
+    assert p.stderr.startswith(f"error: checkpoint {run}/checkpoints/8 does not verify: content checksum mismatch")
+    p = cli("export", str(run), "--out", str(tmp_path / "newest"))
+    assert p.returncode == 0 and "note: step 8 skipped: content checksum mismatch" in p.stderr, p.stderr
+    assert export_hashes(tmp_path / "newest")["__meta__"]["trainer_step"] == "6"
 
 
 # --- 3: train.init_from ---------------------------------------------------------------------------------

@@ -91,7 +91,11 @@ def restore_params(step_dir: Path, target: Any) -> Any:
 
 def on_cpu(picked: pick.Picked) -> Loaded:
     """The picked checkpoint's params on one CPU device (no mesh: a checkpoint of any mesh or process count)."""
-    meta = read_meta(picked.dir)
+    try:
+        meta = read_meta(picked.dir)
+    except Exception as e:  # only a checkpoint saved without manifests gets here damaged
+        raise ConfigError(f"checkpoint {picked.dir}: its metadata item is unreadable ({type(e).__name__}); "
+                          f"pick another checkpoint") from None
     cfg = model_config(meta)
     device = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract_params(cfg))

@@ -100,10 +100,11 @@ def pick(path: str | Path, step: int | None = None, *, agree: Agree = _alone,
         problem = agree(lambda d=step_dir: manifest.verify(d, share=share))
         if problem is None:
             return Picked(s, step_dir, run, True, notes)
-        notes.append(f"step {s} skipped: {problem.reason}" + (f" ({problem.file})" if problem.file else ""))
-        if named is not None or pid:
-            raise ConfigError(f"checkpoint {step_dir} does not verify: {notes[-1].split(': ', 1)[1]}; "
-                              f"{'name another (' + name_it + '): ' + _listing(have) if run else 'use another one'}")
+        why = problem.reason + (f" ({problem.file})" if problem.file else "")
+        if named is not None:
+            other = f"name another ({name_it}): {_listing(have)}" if run else "use another one"
+            raise ConfigError(f"checkpoint {step_dir} does not verify: {why}; {other}")
+        notes.append(f"step {s} skipped: {why}")
     raise ConfigError(f"no checkpoint of {run} verifies ({'; '.join(notes) or 'it has none'}); "
                       f"`python -m trainer checkpoints {run} --verify` lists them")
 
