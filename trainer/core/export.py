@@ -131,8 +131,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer export", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run dir (or one checkpoint: RUN_DIR/checkpoints/STEP)")
     p.add_argument("--out", required=True, metavar="DIR", help="the model directory to create (new or empty)")
-    p.add_argument("--step", type=int, help="export this checkpoint (default: the newest that verifies); needed "
-                                            "while the run still trains, and it must be sealed")
+    p.add_argument("--step", type=int, metavar="N", help="export this checkpoint (default: the newest that "
+                   "verifies); needed while the run still trains, and it must be sealed")
     args = p.parse_args(argv)
     jax.config.update("jax_platforms", "cpu")  # never the training devices: a laptop exports too
     try:

@@ -63,16 +63,19 @@ def generate(loaded: weights.Loaded, prompt_ids: list[int], *, max_new_tokens: i
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer sample", description=__doc__.split("\n\n")[0],
-                                epilog="Each new token recomputes the whole context (no KV cache): fine for the "
-                                       "small models one samples on a CPU, slow for big ones.")
+                                epilog="Each new token recomputes the whole context, the last model.seq_len tokens "
+                                       "(no KV cache): fine for the small models one samples on a CPU, slow for "
+                                       "big ones.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run dir (or one checkpoint: RUN_DIR/checkpoints/STEP)")
-    p.add_argument("--prompt", required=True, help="text to continue (\"\": start from end-of-text)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="stop after this many tokens (default 64), or "
-                                                                   "at end-of-text")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (argmax); default 0.8")
-    p.add_argument("--top-k", type=int, default=0, help="draw from the k most likely tokens only (0 = all)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the draws (the same seed gives the same text)")
-    p.add_argument("--step", type=int, help="sample this checkpoint (default: the newest that verifies)")
+    p.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue (\"\": start from end-of-text)")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                   help="stop after this many tokens (default 64), or at end-of-text")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy (argmax); default 0.8")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="draw from the k most likely tokens only (0 = all)")
+    p.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="seeds the draws (the same seed gives the same text)")
+    p.add_argument("--step", type=int, metavar="N", help="sample this checkpoint (default: the newest that verifies)")
     p.add_argument("--json", action="store_true", help="print one JSON object: prompt_ids, new_ids, text")
     return p
 
