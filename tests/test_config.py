@@ -67,6 +67,10 @@ def test_bad_input_exits_2_with_one_line_and_leaves_the_run_dir_untouched(tmp_pa
         (trainer_cmd(run, "model.d_model=96", "model.n_heads=4")[3:], "cannot resume"),
         (trainer_cmd(run, "model.d_model=96", worker=True)[3:], "cannot resume"),
         (trainer_cmd(run, "data.batch_size=32")[3:], "data.batch_size changed"),
+        # The seed and the data order decide which data the checkpoint was trained on: refused too. (Other
+        # training data: tests/test_eval.py.)
+        (trainer_cmd(run, "run.seed=1")[3:], "run.seed changed from 0 to 1"),
+        (trainer_cmd(run, "data.shuffle=false", worker=True)[3:], "data.shuffle changed from True to False"),
         (trainer_cmd(run, "train.microbatches=3")[3:], "must be divisible by train.microbatches (3)"),
     ]
     for args, message in cases:

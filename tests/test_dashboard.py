@@ -69,7 +69,9 @@ def test_tensorboard_has_every_scalar_group(faulty_run):
                 "goodput/restart_s", "goodput/restarts", "markers/restart", "markers/hang", "markers/checkpoint_now"):
         assert tag in scalars, (tag, sorted(scalars))
     assert all(0 < e.value < 1 for e in acc.Scalars("throughput/mfu"))  # nominal CPU peak from tiny.yaml
-    assert [e.step for e in acc.Scalars("markers/restart")] == [33]
+    assert [e.step for e in acc.Scalars("markers/restart")] == [e.step for e in acc.Scalars("markers/hang")] == [33]
+    ecc = [e["step"] for e in events(run) if e["event"] == "checkpoint_now"]
+    assert [e.step for e in acc.Scalars("markers/checkpoint_now")] == ecc and len(ecc) == 1
     assert max(e.value for e in acc.Scalars("goodput/restarts")) == 1
     texts = set(acc.PluginTagToContent("text"))
     assert {"config/text_summary", "alerts/text_summary", "markers/text_summary"} <= texts

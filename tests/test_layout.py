@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT, TINY, child_env, sets, summary
+from conftest import COMPILE_CACHE, ROOT, TINY, child_env, sets, summary
 
 import trainer
 
@@ -77,7 +77,7 @@ def test_supervisor_status_report_without_jax(tmp_path):
     run = tmp_path / "run"
     micro = ["train.steps=10", "model.d_model=32", "model.n_heads=4", "model.n_layers=1", "model.seq_len=32",
              "data.batch_size=8", "log.progress=false", "data.default_corpus_mb=0.3", "checkpoint.every_steps=5",
-             f"run.dir={run}"]
+             f"run.dir={run}", f"run.compile_cache={COMPILE_CACHE}"]
     out = _cli("--config", TINY, *sets(*micro), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert summary(run)["final_step"] == 10 and "goodput" in summary(run)
