@@ -78,7 +78,7 @@ MUTATIONS = [
     M("group_hung_when_any_process_is", "the group counts as hung as soon as one process is overdue",
       (("trainer/supervise/supervisor.py", "phase, since, step, process = min(beats,",
         "phase, since, step, process = max(beats,"),),
-      ("tests/test_multihost.py::test_a_peer_waiting_for_a_slow_compile_is_not_a_hang",)),
+      ("tests/test_multihost.py::test_a_peer_waiting_for_a_slow_save_is_not_a_hang",)),
     M("params_sha256_of_the_wrong_tree", "summary.json's params_sha256 hashes the optimizer state",
       (("trainer/core/loop.py", 'digest = params_sha256(st["params"])', 'digest = params_sha256(st["opt_state"])'),),
       ("tests/test_checkpoint.py::test_params_sha256_is_the_sha256_of_the_final_params",)),
@@ -153,10 +153,12 @@ def _apply(dest: Path, m: Mutation) -> None:
             raise SystemExit(f"mutation {m.name}: {old!r} occurs {n} times in {file} (expected once): "
                              f"the code moved, update tests/mutate.py")
         path.write_text(text.replace(old, new))
+        compile(path.read_text(), str(path), "exec")  # a mutant that does not parse would be "caught" by anything
 
 
-def run(m: Mutation, timeout: float) -> list[tuple[str, str, float]]:
-    """(test, outcome, seconds) for each test of the mutation; outcome: caught | MISSED | timeout."""
+def run(m: Mutation, timeout: float) -> list[tuple[str, str, float, str]]:
+    """(test, outcome, seconds, why) for each test of the mutation; outcome: caught | MISSED | timeout;
+    why: the first line of the failure."""
     with tempfile.TemporaryDirectory(prefix=f"mutant-{m.name}-") as d:
         dest = Path(d)
         _copy(dest)
@@ -169,15 +171,17 @@ def run(m: Mutation, timeout: float) -> list[tuple[str, str, float]]:
             subprocess.run(cmd, cwd=dest, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            timeout=timeout)
         except subprocess.TimeoutExpired:  # the tests did not pass in time under the bug
-            return [(t, "timeout", time.time() - t0) for t in m.tests]
+            return [(t, "timeout", time.time() - t0, f"still running after {timeout:.0f}s") for t in m.tests]
         if not xml.is_file():
-            return [(t, "error", time.time() - t0) for t in m.tests]
+            return [(t, "error", time.time() - t0, "pytest wrote no report") for t in m.tests]
         out = []
         for case in ET.parse(xml).getroot().iter("testcase"):
             name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
-            bad = case.find("failure") is not None or case.find("error") is not None
-            out.append((name, "caught" if bad else "MISSED", float(case.get("time", 0))))
-        return out or [(t, "error", time.time() - t0) for t in m.tests]
+            bad = case.find("failure")
+            bad = bad if bad is not None else case.find("error")
+            why = "" if bad is None else " ".join((bad.get("message") or "").split())[:140]
+            out.append((name, "MISSED" if bad is None else "caught", float(case.get("time", 0)), why))
+        return out or [(t, "error", time.time() - t0, "no test ran") for t in m.tests]
 
 
 def main() -> int:
@@ -197,12 +201,13 @@ def main() -> int:
     rows, missed = [], []
     for m in chosen:
         results = run(m, args.timeout)
-        for test, outcome, secs in results:
-            rows.append(f"| `{m.name}` | {m.what} | `{test}` | {outcome} | {secs:.0f} |")
+        for test, outcome, secs, why in results:
+            why = why.replace("|", "/").replace("`", "'")
+            rows.append(f"| `{m.name}` | {m.what} | `{test}` | {outcome} | {secs:.0f} | {why} |")
             print(rows[-1], flush=True)
-        if not any(outcome in ("caught", "timeout") for _, outcome, _ in results):
+        if not any(outcome in ("caught", "timeout") for _, outcome, _, _ in results):
             missed.append(m.name)
-    table = ["| mutation | the bug | test | caught? | test s |", "|---|---|---|---|---:|", *rows]
+    table = ["| mutation | the bug | test | caught? | test s | how it failed |", "|---|---|---|---|---:|---|", *rows]
     print("\n".join(table))
     if args.out:
         cmd = "python tests/mutate.py " + " ".join(sys.argv[1:])

@@ -8,7 +8,10 @@ import hashlib
 import json
 from pathlib import Path
 
+import pytest
 from conftest import events, run_trainer, step_losses, summary
+
+pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -m 'not slow')
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, reference_run):

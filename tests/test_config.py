@@ -53,6 +53,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=300, env=child_env())
 
 
+@pytest.mark.slow
 def test_bad_input_exits_2_with_one_line_and_leaves_the_run_dir_untouched(tmp_path):
     run = tmp_path / "run"
     run_trainer(run, "train.steps=10", "checkpoint.every_steps=5", worker=True)
@@ -82,6 +83,7 @@ def test_bad_input_exits_2_with_one_line_and_leaves_the_run_dir_untouched(tmp_pa
         assert _tree_state(run) == before, f"{args} changed the run dir"
 
 
+@pytest.mark.slow
 def test_harmless_change_resumes_and_is_logged(tmp_path):
     run = tmp_path / "run"
     run_trainer(run, "train.steps=10", "checkpoint.every_steps=5", worker=True)

@@ -58,6 +58,7 @@ def _heartbeat(run: Path) -> dict | None:
         return None
 
 
+@pytest.mark.slow
 def test_tensorboard_has_every_scalar_group(faulty_run):
     run, _ = faulty_run
     acc = _tensorboard(run / "tb")
@@ -78,6 +79,7 @@ def test_tensorboard_has_every_scalar_group(faulty_run):
     assert "_hparams_/experiment" in acc.PluginTagToContent("hparams")  # the resolved config as hparams
 
 
+@pytest.mark.slow
 def test_injected_faults_raise_their_alerts(faulty_run):
     run, status_during_hang = faulty_run
     evs = events(run)
@@ -127,6 +129,7 @@ def _first_spike(series: dict[int, float], window: int = 10, z: float = 6.0) -> 
     return None
 
 
+@pytest.mark.slow
 def test_data_spike_shows_in_grad_norm_no_later_than_in_loss(tmp_path):
     data_dir = tmp_path / "data"
     _spike_corpus(data_dir, at_step=20, per_step=16 * 64)  # MICRO: batch 16 x seq_len 64

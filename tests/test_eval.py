@@ -11,6 +11,8 @@ import pytest
 from conftest import events, run_trainer, step_losses, summary
 from corpora import code_jsonl, prepared
 
+pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -m 'not slow')
+
 EVAL = ["eval.every_steps=10", "eval.batches=2"]
 DROPOUT = "model.dropout=0.1"  # the train step draws from the RNG: an eval that touched it would show
 

@@ -69,6 +69,7 @@ def _copy(done_run: Path, dest: Path) -> Path:
     return dest
 
 
+@pytest.mark.slow
 def test_a_finished_run_rerun_says_so_and_changes_no_byte(done, tmp_path):
     run, first = done
     lines = [ln for ln in first.splitlines() if ln.strip()]
@@ -133,6 +134,7 @@ def _bad_inputs(tmp: Path, run: Path) -> list[tuple[list[str], str]]:
     ]
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(done, tmp_path):
     run = _copy(done[0], tmp_path / "run")
     before = _snapshot(run)
@@ -154,6 +156,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(done, tmp_path):
         assert _snapshot(run) == before
 
 
+@pytest.mark.slow
 def test_a_read_only_run_dir_or_parent_is_one_line_as_a_non_root_user(done):
     base = Path(tempfile.mkdtemp(dir="/tmp"))
     try:
@@ -177,6 +180,7 @@ def test_a_read_only_run_dir_or_parent_is_one_line_as_a_non_root_user(done):
         shutil.rmtree(base)
 
 
+@pytest.mark.slow
 def test_damaged_files_we_wrote_are_rebuilt_or_noted(done, tmp_path):
     run = _copy(done[0], tmp_path / "run")
     good = summary(run)
@@ -194,6 +198,7 @@ def test_damaged_files_we_wrote_are_rebuilt_or_noted(done, tmp_path):
         assert rebuilt[key] == good[key], key
 
 
+@pytest.mark.slow
 def test_strict_json_and_no_nan_in_what_status_says(tmp_path):
     """A NaN update with the runbook off: the losses are NaN from there on. Every file stays strict JSON."""
     run = tmp_path / "run"
@@ -212,6 +217,7 @@ def test_strict_json_and_no_nan_in_what_status_says(tmp_path):
     assert (run / "report" / "loss.png").is_file()
 
 
+@pytest.mark.slow
 def test_library_noise_goes_to_the_worker_log_not_the_terminal(tmp_path):
     """XLA's own info lines (TF_CPP_MIN_LOG_LEVEL=0 turns them on: "PjRt-IFRT device count ..." as the
     backend starts) stay in the worker log. (The tiny config's step no longer makes the partitioner warn.)"""
@@ -241,6 +247,7 @@ def _figures(run: Path, monkeypatch) -> dict[str, object]:
     return figs
 
 
+@pytest.mark.slow
 def test_report_plots_and_text_say_only_what_happened(done, tmp_path, monkeypatch):
     run = done[0]
     s = summary(run)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import COMPILE_CACHE, ROOT, TINY, child_env, sets, summary
 
 import trainer
@@ -71,6 +72,7 @@ def test_prepare_without_jax(tmp_path):
     assert out.returncode == 0 and (tmp_path / "prepared" / "meta.json").is_file(), out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_supervisor_status_report_without_jax(tmp_path):
     """A whole supervised run whose supervisor cannot import jax (its worker, a separate process, can),
     then status and report on the result, just as jax-less."""

@@ -30,6 +30,7 @@ def ref(tmp_path_factory) -> tuple[Path, Path]:
 
 # --- the real thing: 2 processes ---------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_kill_and_hang_tear_the_group_down_and_the_run_ends_identical(tmp_path, ref):
     ref_run, corpus = ref
     run = tmp_path / "run"
@@ -75,6 +76,7 @@ def test_kill_and_hang_tear_the_group_down_and_the_run_ends_identical(tmp_path, 
         print(f"{step_dir.name}/state: {shards}")
 
 
+@pytest.mark.slow
 def test_elastic_resume_on_another_process_count_keeps_the_global_order(tmp_path, ref):
     ref_run, corpus = ref
     run = tmp_path / "run"
@@ -272,15 +274,19 @@ def test_a_config_exit_of_one_process_takes_the_group_down_at_once(tmp_path):
 
 @pytest.fixture(scope="module")
 def started_twice(tmp_path_factory, ref) -> tuple[Path, str, float, float]:
-    """A 2-process run whose process 0 raises while starting (attempt 1); in attempt 2 its compile takes 10 s
-    longer than its peer's (a slow fault in the compile phase) while supervisor.step_timeout_s is 4, so
-    process 1 waits in its first steps for it, silent. Returns the run dir, the supervisor's output, when the
-    start-up fault fired, and the longest silence of process 1 in the step phase seen while process 0 compiled."""
-    corpus = ref[1]  # the reference's corpus and step count: the compiled step comes from the cache
-    run = tmp_path_factory.mktemp("started_twice") / "run"
-    over = group_overrides(corpus, *TWO, "checkpoint.every_steps=0", "supervisor.step_timeout_s=4",
-                           "faults=[{kind: startup, step: 0}, {kind: slow, step: 0, phase: compile, seconds: 10}]")
-    out = run.parent / "supervisor.log"
+    """A 2-process run whose process 0 raises while starting (attempt 1). In attempt 2, with
+    supervisor.step_timeout_s=4, process 0 takes 8 s longer over its node-local save at step 10 (a slow
+    fault in the checkpoint phase: its timeout is the checkpoint one) while process 1, whose own local save
+    needs no peer, goes on to its next step and waits there for process 0, silent. Returns the run dir, the
+    supervisor's output, when the start-up fault fired, and the longest silence of process 1 in the step
+    phase seen while process 0 was in the checkpoint phase."""
+    corpus = ref[1]
+    base = tmp_path_factory.mktemp("started_twice")
+    run = base / "run"
+    over = group_overrides(corpus, *TWO, "checkpoint.every_steps=0", f"checkpoint.local_dir={base / 'local'}",
+                           "checkpoint.local_every_steps=10", "supervisor.step_timeout_s=4",
+                           "faults=[{kind: startup, step: 0}, {kind: slow, step: 10, phase: checkpoint, seconds: 8}]")
+    out = base / "supervisor.log"
     with open(out, "w") as log:
         sup = subprocess.Popen(trainer_cmd(run, *over), cwd=ROOT, env=child_env(), stdout=log, stderr=log)
     fired, silent, deadline = None, 0.0, time.time() + 600
@@ -288,13 +294,14 @@ def started_twice(tmp_path_factory, ref) -> tuple[Path, str, float, float]:
         if fired is None and (run / "faults_fired.json").is_file():  # rewritten when the slow fault fires
             fired = (run / "faults_fired.json").stat().st_mtime
         hb0, hb1 = heartbeat(run, 0), heartbeat(run, 1)
-        if hb0 and hb1 and hb0["launch"] == hb1["launch"] and (hb0["phase"], hb1["phase"]) == ("compile", "step"):
+        if hb0 and hb1 and hb0["launch"] == hb1["launch"] and (hb0["phase"], hb1["phase"]) == ("checkpoint", "step"):
             silent = max(silent, time.time() - hb1["time"])
         time.sleep(0.1)
     assert sup.wait(timeout=max(deadline - time.time(), 1)) == 0, out.read_text()[-3000:]
     return run, out.read_text(), fired, silent
 
 
+@pytest.mark.slow
 def test_a_worker_failing_at_start_up_is_torn_down_and_restarted_in_seconds(started_twice):
     """Process 0 raises while starting (its peer then waits for it in a collective): it must exit at once,
     not hang in jax's distributed shutdown, and the launcher must kill the peer within a poll."""
@@ -310,14 +317,15 @@ def test_a_worker_failing_at_start_up_is_torn_down_and_restarted_in_seconds(star
     print(f"start-up failure: group torn down {teardown_s:.2f}s and restarted {restart_s:.2f}s after the fault")
 
 
-def test_a_peer_waiting_for_a_slow_compile_is_not_a_hang(started_twice):
+@pytest.mark.slow
+def test_a_peer_waiting_for_a_slow_save_is_not_a_hang(started_twice):
     """The group is hung only once every process is overdue for its own phase: process 1, silent in the step
-    phase for longer than step_timeout_s while process 0 is still compiling (startup timeout), is waiting."""
+    phase for longer than step_timeout_s while process 0 is still saving (checkpoint timeout), is waiting."""
     run, _, _, silent = started_twice
-    assert silent > 4, f"process 1 was never silent past the step timeout while process 0 compiled ({silent:.1f}s)"
+    assert silent > 4, f"process 1 was never silent past the step timeout while process 0 saved ({silent:.1f}s)"
     assert not [e for e in events(run) if e["event"] == "hang_detected"]
     assert [e["reason"] for e in events(run) if e["event"] == "restart"] == ["exit code 1"]  # the start-up fault only
-    print(f"process 1 silent {silent:.1f}s in its first steps while process 0 compiled: no hang")
+    print(f"process 1 silent {silent:.1f}s in the step phase while process 0 saved: no hang")
 
 
 @pytest.mark.slow

@@ -10,6 +10,8 @@ from conftest import events, run_trainer, step_losses, summary
 from trainer.config import load_config
 from trainer.core.worker import stack_changes, versions
 
+pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -m 'not slow')
+
 MESHES = {
     "data8": ["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"],
     "fsdp8": ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1"],

@@ -11,12 +11,15 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 import yaml
 from conftest import ROOT, child_env, events, run_trainer, step_losses, summary, trainer_cmd
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from benchmarks.runbook_spike import write_corpora
 from trainer.supervise import exit_codes
+
+pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -m 'not slow')
 
 # Micro runs leave their fast early drop by step ~20: judge from there, on a short window.
 RB = ["runbook.window=16", "runbook.min_history=8", "runbook.warmup_steps=20", "runbook.probe_steps=4",

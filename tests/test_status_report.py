@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import matplotlib.image
+import pytest
 from conftest import ROOT, child_env, events, step_losses, trainer_cmd
 from test_first_hour import _figures
 
@@ -47,6 +48,7 @@ def _check_pngs(folder: Path) -> None:
         assert img.shape[0] > 200 and img.shape[1] > 600, (name, img.shape)
 
 
+@pytest.mark.slow
 def test_status_and_report_while_running_and_after_restarts(tmp_path, monkeypatch):
     run = tmp_path / "run"
     log = open(tmp_path / "run.log", "w")

@@ -13,10 +13,13 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from conftest import ROOT, child_env, events, run_trainer, step_losses, summary, trainer_cmd
 
 from trainer.observe import manifest
 from trainer.supervise import exit_codes
+
+pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -m 'not slow')
 
 LONG = ["train.steps=60"]  # long enough to be killed several times
 
