@@ -22,11 +22,12 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 COMPILE_CACHE = tempfile.mkdtemp(prefix="trainer-tests-jax-cache-")
 atexit.register(shutil.rmtree, COMPILE_CACHE, True)
 
-# The tiny config shrunk further so a real run of a few dozen steps takes seconds on 2 cores.
+# The tiny config shrunk further so a real run of a few dozen steps takes seconds on 2 cores. No end-of-run
+# report (matplotlib, ~2 s a run): the tests of the report and of its being written turn it back on.
 MICRO = [
     "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.seq_len=64",
     "data.batch_size=16", "train.steps=30", "optim.warmup_steps=5", "log.every_steps=5",
-    "checkpoint.every_steps=10", "log.progress=false", "data.default_corpus_mb=1",
+    "checkpoint.every_steps=10", "log.progress=false", "data.default_corpus_mb=1", "log.report=false",
     f"run.compile_cache={COMPILE_CACHE}",
 ]
 

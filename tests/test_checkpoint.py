@@ -1,6 +1,6 @@
-"""A corrupt newest checkpoint is detected on load, reported, set aside, and the previous one used; retention;
-saves are asynchronous; the summary's params_sha256 is the hash of the final params. The other ways a
-checkpoint goes bad, tiers and storage faults: tests/test_integrity.py."""
+"""Retention; saves are asynchronous; the summary's params_sha256 is the hash of the final params. A bad
+newest checkpoint (flipped bytes, truncated, deleted, torn, unsealed) falling back to the previous one, tiers
+and storage faults: tests/test_integrity.py."""
 
 from __future__ import annotations
 
@@ -9,27 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import events, run_trainer, step_losses, summary
+from conftest import events, run_trainer, summary
 
 pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -m 'not slow')
-
-
-def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, reference_run):
-    ref = reference_run()
-    run = tmp_path / "run"
-    run_trainer(run, "train.stop_at_step=20", worker=True)
-    # Flip the bytes of every data file of step 20's state item, as a bad disk or torn copy would.
-    for f in (run / "checkpoints" / "20" / "state").rglob("*"):
-        if f.is_file() and f.stat().st_size > 0 and f.parent.name == "d":
-            f.write_bytes(bytes(b ^ 0xFF for b in f.read_bytes()))
-    run_trainer(run, worker=True)
-    evs = events(run)
-    rejected = [e for e in evs if e["event"] == "checkpoint_rejected"]
-    assert [e["step"] for e in rejected] == [20] and "checksum mismatch" in rejected[0]["reason"], rejected
-    assert [e["step"] for e in evs if e["event"] == "restore"] == [10]
-    assert len(list((run / "rejected_checkpoints").iterdir())) == 1
-    assert summary(run)["params_sha256"] == summary(ref)["params_sha256"]
-    assert all(set(v) == set(step_losses(ref)[k]) for k, v in step_losses(run).items())
 
 
 def test_retention_keeps_the_latest_k_plus_every_jth(tmp_path):

@@ -19,8 +19,9 @@ from trainer.observe import alerts, health
 
 FAULTS = ("faults=[{kind: ecc, step: 8}, {kind: slow, step: 14, seconds: 0.4, count: 5}, "
           "{kind: hang, step: 33}]")
-RUN = ["train.steps=40", "checkpoint.every_steps=20", "log.health_every_s=0.05", "alerts.throughput_window=10",
-       "alerts.throughput_steps=3", "supervisor.step_timeout_s=8", "alerts.overdue_fraction=0.25", FAULTS]
+RUN = ["train.steps=40", "checkpoint.every_steps=20", "log.report=true", "log.health_every_s=0.05",
+       "alerts.throughput_window=10", "alerts.throughput_steps=3", "supervisor.step_timeout_s=8",
+       "alerts.overdue_fraction=0.25", FAULTS]
 
 
 def _tensorboard(logdir: Path):
@@ -135,7 +136,7 @@ def test_data_spike_shows_in_grad_norm_no_later_than_in_loss(tmp_path):
     _spike_corpus(data_dir, at_step=20, per_step=16 * 64)  # MICRO: batch 16 x seq_len 64
     runbook_off = ["runbook.enabled=false"] if "runbook" in Config.__dataclass_fields__ else []
     run = tmp_path / "run"
-    run_trainer(run, f"data.path={data_dir}", "data.shuffle=false", *runbook_off, worker=True)
+    run_trainer(run, f"data.path={data_dir}", "data.shuffle=false", *runbook_off, "log.report=true", worker=True)
     steps = [e for e in events(run) if e["event"] == "step"]
     grad = _first_spike({e["step"]: e["grad_norm"] for e in steps})
     loss = _first_spike({e["step"]: e["loss"] for e in steps})

@@ -273,17 +273,18 @@ def test_a_config_exit_of_one_process_takes_the_group_down_at_once(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def started_twice(tmp_path_factory, ref) -> tuple[Path, str, float, float]:
+def started_twice(tmp_path_factory) -> tuple[Path, str, float, float]:
     """A 2-process run whose process 0 raises while starting (attempt 1). In attempt 2, with
     supervisor.step_timeout_s=4, process 0 takes 8 s longer over its node-local save at step 10 (a slow
     fault in the checkpoint phase: its timeout is the checkpoint one) while process 1, whose own local save
     needs no peer, goes on to its next step and waits there for process 0, silent. Returns the run dir, the
     supervisor's output, when the start-up fault fired, and the longest silence of process 1 in the step
     phase seen while process 0 was in the checkpoint phase."""
-    corpus = ref[1]
+    corpus = small_corpus(tmp_path_factory.mktemp("corpus"))
     base = tmp_path_factory.mktemp("started_twice")
     run = base / "run"
-    over = group_overrides(corpus, *TWO, "checkpoint.every_steps=0", f"checkpoint.local_dir={base / 'local'}",
+    over = group_overrides(corpus, *TWO, "train.steps=12", "checkpoint.every_steps=0",
+                           f"checkpoint.local_dir={base / 'local'}",
                            "checkpoint.local_every_steps=10", "supervisor.step_timeout_s=4",
                            "faults=[{kind: startup, step: 0}, {kind: slow, step: 10, phase: checkpoint, seconds: 8}]")
     out = base / "supervisor.log"
@@ -313,7 +314,7 @@ def test_a_worker_failing_at_start_up_is_torn_down_and_restarted_in_seconds(star
     teardown_s, restart_s = exit1["time"] - fired, start2["time"] - fired
     assert teardown_s < 5 and restart_s < 6, (teardown_s, restart_s)
     assert "0: trainer.supervise.faults.InjectedStartupError: injected fault" in stderr
-    assert summary(run)["final_step"] == 30 and summary(run)["restarts"] == 1
+    assert summary(run)["final_step"] == 12 and summary(run)["restarts"] == 1
     print(f"start-up failure: group torn down {teardown_s:.2f}s and restarted {restart_s:.2f}s after the fault")
 
 

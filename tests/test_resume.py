@@ -22,8 +22,8 @@ CASES = {
     "data2_fsdp2_tensor2": MESHES["data2_fsdp2_tensor2"],
     "data8_microbatches2": [*MESHES["data8"], "train.microbatches=2"],
     "fsdp8_microbatches2": [*MESHES["fsdp8"], "train.microbatches=2"],
-    "data2_fsdp2_tensor2_microbatches2": [*MESHES["data2_fsdp2_tensor2"], "train.microbatches=2"],
     "data8_dropout": [*MESHES["data8"], "model.dropout=0.1"],
+    # 2x2x2 with microbatches is resumed with dropout on: the same code path, plus the saved PRNG key.
     "data2_fsdp2_tensor2_microbatches2_dropout": [*MESHES["data2_fsdp2_tensor2"], "train.microbatches=2",
                                                   "model.dropout=0.1"],
 }

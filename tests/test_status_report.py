@@ -19,7 +19,7 @@ from trainer.observe import goodput, status
 PNGS = ("loss.png", "grad_norm.png", "throughput.png", "goodput.png")
 # The worker kills itself with SIGUSR2 at step 12 (the `signal` fault; restart from the step-10 checkpoint),
 # then slow steps keep the run observable.
-RUN = ["train.steps=36", "faults=[{kind: signal, step: 12, signal: SIGUSR2}, "
+RUN = ["train.steps=36", "log.report=true", "faults=[{kind: signal, step: 12, signal: SIGUSR2}, "
        "{kind: slow, step: 16, seconds: 0.25, count: 20}]"]
 
 
