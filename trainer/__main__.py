@@ -24,6 +24,8 @@ SUBCOMMANDS = {  # name: (module, one line for --help)
     "survival": ("trainer.survival.cli", "run-survival simulator: price the checkpoint interval"),
     "checkpoints": ("trainer.observe.checkpoints", "list a run's checkpoints (both tiers); --verify re-checks them"),
     "inspect": ("trainer.core.inspect", "compile a config's step without training: bytes, collectives, FLOPs"),
+    "export": ("trainer.core.export", "a checkpoint as a Hugging Face GPT-2 model dir (config.json, safetensors)"),
+    "sample": ("trainer.core.sample", "generate text from a run's checkpoint (greedy at --temperature 0)"),
 }
 COMMANDS_HELP = "commands:\n" + "\n".join(
     [f"  {'--config FILE':<16}train (supervised; --worker: one unsupervised worker); re-run to resume"]

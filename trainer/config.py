@@ -91,6 +91,7 @@ class TrainConfig:
     steps: int = 200  # total steps: fixes the LR schedule
     stop_at_step: int = 0  # >0: save and exit cleanly at this step without touching the schedule
     microbatches: int = 1  # split each global batch into this many slices, gradients accumulated (memory)
+    init_from: str = ""  # run dir (newest verified checkpoint) or RUN/checkpoints/N: its params start a fresh run
 
 
 @dataclass

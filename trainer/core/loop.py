@@ -13,12 +13,13 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import absl.logging
 import jax
 
 from trainer.config import Config, to_dict
-from trainer.core import agree, checkpoint, data, evaluate, integrity, optim
+from trainer.core import agree, checkpoint, data, evaluate, integrity, optim, weights
 from trainer.core import mesh as mesh_lib
 from trainer.core.model import flops_per_token
 from trainer.core.state import params_sha256
@@ -65,7 +66,8 @@ def run(cfg: Config) -> int:
     st, start, tier = _restore_or_init(w)
     if w.primary:  # one line saying where this attempt begins, before any library output
         print(outcome.begin_line(w.run_dir, start, steps=cfg.train.steps, n_params=w.n_params, tier=tier,
-                                 mesh=dict(zip(mesh_lib.AXES, w.mesh.devices.shape))), file=sys.stderr, flush=True)
+                                 mesh=dict(zip(mesh_lib.AXES, w.mesh.devices.shape)), init_from=w.init_from),
+              file=sys.stderr, flush=True)
     st = optim.set_hyperparams(st, w.hyperparams)  # runbook.json wins over what the checkpoint holds
     it = data.make_iterator(cfg.data, corpus=w.corpus, seq_len=cfg.model.seq_len, steps=cfg.train.steps,
                             seed=cfg.run.seed, process=jax.process_index(), processes=jax.process_count(),
@@ -117,7 +119,11 @@ def _restore_or_init(w: Worker):
                                                               "mesh": dict(zip(mesh_lib.AXES, w.mesh.devices.shape))})
     if restored is None:
         st = w.spec.init()
+        if w.init_from:  # fine-tuning: another run's params, this run's fresh optimizer state, RNG and schedule
+            st = dict(st, params=weights.restore_params(Path(w.init_from["checkpoint"]), w.spec.abstract["params"]))
         w.events.write("init", step=0, n_params=w.n_params, seconds=time.perf_counter() - t0)
+        if w.init_from:
+            w.events.write("init_from", step=0, **w.init_from)
         return st, 0, None
     w.events.write("restore", step=restored.step, tier=restored.tier, seconds=time.perf_counter() - t0)
     assert int(restored.data_state["next_index"]) == restored.step, "data cursor and step disagree"
@@ -237,6 +243,7 @@ def _meta(w: Worker) -> dict:
         "skips": w.skips,
         "versions": versions(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),  # run.deterministic's flag, and any the user set
+        "init_from": w.init_from,  # where the params started (train.init_from), kept through resumes
     }
 
 

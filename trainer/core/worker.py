@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from trainer.config import FROZEN_KEYS, Config, ConfigError, dump_yaml, to_dict
-from trainer.core import data, optim, tiers
+from trainer.core import data, optim, tiers, weights
 from trainer.core import mesh as mesh_lib
 from trainer.core import state as state_lib
 from trainer.core.integrity import ReplicaCheck
@@ -52,6 +52,7 @@ class Worker:
     replicas: ReplicaCheck | None  # integrity.replica_check_steps > 0: compares data-parallel copies of the params
     eval_windows: np.ndarray | None  # this process's rows of the fixed eval batches (None: eval off)
     microbatches: int  # train.microbatches, raised when the group shrank (elastic_microbatches)
+    init_from: dict | None  # train.init_from's checkpoint (weights.init_source); a resume keeps the checkpoint's
     # Observers of each step's metrics: objects with on_step(step, rec) -> action dict | None.
     monitors: list = dataclasses.field(default_factory=list)
 
@@ -179,6 +180,7 @@ def setup(cfg: Config) -> Worker:
     validate_shapes(cfg, shape, jax.process_count(), microbatches, corpus)
     saved = tiers.saved_meta(run_dir, cfg.checkpoint)
     changes = check_resume(saved, cfg, corpus.fingerprint) if saved else []
+    init_from = saved.get("init_from") if saved else weights.init_source(cfg)  # a resume never re-applies it
 
     primary = jax.process_index() == 0
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -215,7 +217,7 @@ def setup(cfg: Config) -> Worker:
         events=events, scalars=scalars, heartbeat=Heartbeat(run_dir, jax.process_index(), data=corpus.fingerprint),
         faults=faults, skips=rb.skips, hyperparams=rb.hyperparams(), n_params=state_lib.param_count(spec.abstract),
         replicas=ReplicaCheck(mesh, spec.abstract["params"]) if cfg.integrity.replica_check_steps else None,
-        eval_windows=eval_windows, microbatches=microbatches,
+        eval_windows=eval_windows, microbatches=microbatches, init_from=init_from,
     )
     # Dashboard: grad-norm trend, throughput drop, hardware health (ECC rising -> checkpoint now), markers.
     w.monitors.extend(alerts.build(cfg, run_dir=run_dir, events=events, scalars=scalars, faults=faults))

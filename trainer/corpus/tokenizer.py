@@ -24,6 +24,7 @@ EOT = "<|endoftext|>"
 # End-of-text tokens a tokenizer.json may carry, in the order they are looked for.
 EOS_NAMES = (EOT, "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "<|im_end|>")
 BYTES_VOCAB = 257
+HF_FILE = "tokenizer.json"  # a Hugging Face tokenizer, saved beside the shards of a prepared DIR
 SPEC_FORMS = "bytes, bpe:N (N >= 258), a path to a tokenizer.json, or a tiktoken encoding name (tiktoken:NAME)"
 
 
@@ -38,11 +39,11 @@ class Tok:
     @property
     def file(self) -> str | None:
         """The tokenizer file written into a prepared DIR (None: nothing to save)."""
-        return "tokenizer.json" if self.kind == "hf" else None
+        return HF_FILE if self.kind == "hf" else None
 
     def save(self, out: Path) -> None:
         if self.kind == "hf":
-            (out / "tokenizer.json").write_text(self.payload)
+            (out / HF_FILE).write_text(self.payload)
 
     def encoder(self):
         """A callable doc (str | bytes) -> token ids (np.ndarray, without the end-of-text id)."""
@@ -57,12 +58,37 @@ class Tok:
         enc = tiktoken_encoding(self.payload)
         return lambda doc: np.asarray(enc.encode_ordinary(_text(doc)), np.uint32)
 
+    def decoder(self):
+        """A callable token ids -> text. Ids the tokenizer does not know (a model's padded vocabulary) are
+        left out; bytes that do not form UTF-8 become U+FFFD."""
+        if self.kind == "bytes":
+            return lambda ids: bytes(i for i in ids if i < 256).decode(errors="replace")
+        known = lambda ids: [int(i) for i in ids if 0 <= i < self.vocab_size]  # noqa: E731
+        if self.kind == "hf":
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_str(self.payload)
+            return lambda ids: tok.decode(known(ids), skip_special_tokens=False)
+        enc = tiktoken_encoding(self.payload)
+        return lambda ids: enc.decode(known(ids))
+
 
 def _text(doc: str | bytes) -> str:
     return doc if isinstance(doc, str) else doc.decode(errors="replace")
 
 
 BYTES = Tok("bytes", "bytes", "", BYTES_VOCAB, 256)
+
+
+def of_prepared(name: str, hf_file: Path | None) -> Tok:
+    """The tokenizer a prepared DIR was tokenized with: meta.json's `tokenizer` and its tokenizer.json if any."""
+    if hf_file is not None:
+        return from_tokenizer_json(hf_file)
+    if name == BYTES.name:
+        return BYTES
+    if name.startswith("tiktoken:"):
+        return resolve(name)
+    raise ConfigError(f"tokenizer {name!r}: its {HF_FILE} is missing from the prepared data; prepare it again")
 
 
 def bpe_size(spec: str) -> int | None:

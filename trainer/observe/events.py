@@ -121,6 +121,17 @@ def events_newest_first(path: Path) -> Iterator[dict]:
             continue
 
 
+def from_last_worker(path: Path, event: str) -> dict | None:
+    """The newest `event` record written by the worker that started last (None if it wrote none): what the
+    supervisor reads about the attempt that just exited."""
+    for e in events_newest_first(path):
+        if e.get("event") == event:
+            return e
+        if e.get("event") == "worker_start":
+            return None
+    return None
+
+
 def newest_record(path: Path, event: str, step: int) -> dict | None:
     """The newest `event` record logged at `step`, or None."""
     return next((e for e in events_newest_first(path) if e.get("event") == event and e.get("step") == step), None)

@@ -29,8 +29,9 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
 
 
 def begin_line(run_dir: Path, start: int, *, steps: int, n_params: int, mesh: dict[str, int],
-               tier: str | None = None) -> str:
-    """The first line of an attempt: a fresh start, or the checkpoint it resumed from."""
+               tier: str | None = None, init_from: dict | None = None) -> str:
+    """The first line of an attempt: a fresh start (from another run's params with train.init_from), or the
+    checkpoint it resumed from."""
     if start:
         where = "the node-local tier" if tier == "local" else Path(run_dir) / rundir.CHECKPOINTS / str(start)
         return f"resumed from step {start} of checkpoint {where}; " \
@@ -39,8 +40,9 @@ def begin_line(run_dir: Path, start: int, *, steps: int, n_params: int, mesh: di
     for v in mesh.values():
         devices *= v
     shape = " x ".join(f"{k} {v}" for k, v in mesh.items())
+    source = f", params from {init_from['checkpoint']} (train.init_from)" if init_from else ""
     return f"fresh start: {steps} steps of a {n_params / 1e6:.3g}M-param model on {devices} devices ({shape}) " \
-           f"into {run_dir}"
+           f"into {run_dir}{source}"
 
 
 def complete_line(run_dir: Path, step: int) -> str:

@@ -9,24 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from trainer.observe.events import events_newest_first
+from trainer.observe import events
 from trainer.supervise import runbook
-
-
-def last_mismatch(events_path: Path) -> dict | None:
-    """The replica_mismatch event of the worker that just exited (None if it wrote none)."""
-    for e in events_newest_first(events_path):
-        if e.get("event") == "replica_mismatch":
-            return e
-        if e.get("event") == "worker_start":
-            return None
-    return None
 
 
 def rewind(run_dir: Path, write_event: Callable[..., None], *, tag: int) -> str:
     """Rewind after a mismatch; returns the line the supervisor prints. Every save was preceded by a replica
     check that passed, so normally nothing is newer than `last_good`; anything that is, goes aside."""
-    e = last_mismatch(Path(run_dir) / "events.jsonl")
+    e = events.from_last_worker(Path(run_dir) / "events.jsonl", "replica_mismatch")
     if e is None:
         return "replica mismatch reported without a replica_mismatch event: restarting from the newest checkpoint"
     target, moved = runbook.rewind(run_dir, e["last_good"] + 1, f"replica{tag}")

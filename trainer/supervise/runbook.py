@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from trainer.config import Config, ConfigError, OptimConfig, RunbookConfig
-from trainer.observe.events import events_newest_first
+from trainer.observe import events
 from trainer.observe.rundir import write_json
 from trainer.observe.tensorboard import Writer
 
@@ -100,16 +100,6 @@ def decide(history: list[dict], spike: dict, cfg: RunbookConfig) -> str:
     return "skip"
 
 
-def last_spike(events_path: Path) -> dict | None:
-    """The spike_exit event of the worker that just exited (None if it wrote none)."""
-    for e in events_newest_first(events_path):
-        if e.get("event") == "spike_exit":
-            return e
-        if e.get("event") == "worker_start":
-            return None
-    return None
-
-
 def rewind(run_dir: Path, began: int, tag: int) -> tuple[int, list[int]]:
     """Move every checkpoint at or after the step the spike began out of the way (the supervisor has no
     orbax: a rename is the whole operation); returns the step the run resumes from (0 = init)."""
@@ -162,7 +152,7 @@ def respond(run_dir: Path, cfg: Config, write_event: Callable[..., None]) -> Out
     """The supervisor's half, run when the worker exits SPIKE: decide, rewind, record; the supervisor then
     restarts the worker at once (or stops, on give_up)."""
     run_dir = Path(run_dir)
-    spike = last_spike(run_dir / "events.jsonl")
+    spike = events.from_last_worker(run_dir / "events.jsonl", "spike_exit")
     if spike is None:
         msg = "runbook: the worker exited SPIKE but wrote no spike_exit event; nothing to act on"
         write_event("runbook_gave_up", message=msg)

@@ -1,0 +1,154 @@
+"""`python -m trainer export RUN_DIR --out DIR [--step N]`: a checkpoint as a Hugging Face GPT-2 model
+directory (`config.json`, `model.safetensors`, and the tokenizer files when the run used a prepared
+tokenizer), readable by `GPT2LMHeadModel.from_pretrained(DIR)` and by anything that reads safetensors.
+
+Our GPT is GPT-2's architecture, so the export is a renaming and a reshape of each param (no arithmetic):
+GPT-2's Conv1D weights are [in, out], as our kernels are. The params are restored on one CPU device without
+the training mesh (weights.on_cpu), so a checkpoint of any mesh or process count exports on a laptop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from trainer.config import ConfigError, ModelConfig
+from trainer.core import weights
+from trainer.core.model import LN_EPS
+from trainer.core.state import params_sha256
+from trainer.observe import pick
+from trainer.observe.rundir import write_json
+
+CONFIG, MODEL, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
+
+
+def _layer(p: dict, cfg: ModelConfig, i: int) -> dict:
+    """Block i's params: a slice of the scanned stack, or block_i of an unrolled model."""
+    return jax.tree.map(lambda a: a[i], p["blocks"]) if cfg.scan else p[f"block_{i}"]
+
+
+def gpt2_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Our param tree (trainer.core.model's docstring) under GPT-2's names and layouts, fp32."""
+    p = jax.device_get(params)
+    D = cfg.d_model
+    out = {"transformer.wte.weight": p["wte"], "transformer.wpe.weight": p["wpe"],
+           "transformer.ln_f.weight": p["ln_f"]["scale"], "transformer.ln_f.bias": p["ln_f"]["bias"]}
+    for i in range(cfg.n_layers):
+        b, h = _layer(p, cfg, i), f"transformer.h.{i}."
+        out.update({
+            h + "ln_1.weight": b["ln_1"]["scale"], h + "ln_1.bias": b["ln_1"]["bias"],
+            # [D, T, H, K] row-major is [D, (q | k | v), each split into heads]: c_attn's [D, 3D] columns.
+            h + "attn.c_attn.weight": b["qkv"]["kernel"].reshape(D, 3 * D),
+            h + "attn.c_attn.bias": b["qkv"]["bias"].reshape(3 * D),
+            h + "attn.c_proj.weight": b["proj"]["kernel"].reshape(D, D),  # [H, K, D] -> [H*K, D]
+            h + "attn.c_proj.bias": b["proj"]["bias"],
+            h + "ln_2.weight": b["ln_2"]["scale"], h + "ln_2.bias": b["ln_2"]["bias"],
+            h + "mlp.c_fc.weight": b["fc"]["kernel"], h + "mlp.c_fc.bias": b["fc"]["bias"],
+            h + "mlp.c_proj.weight": b["out"]["kernel"], h + "mlp.c_proj.bias": b["out"]["bias"],
+        })
+    if not cfg.tie_embeddings:  # tied: GPT2LMHeadModel takes its head from wte (no lm_head tensor is saved)
+        out["lm_head.weight"] = p["lm_head"].T
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+
+
+def gpt2_config(cfg: ModelConfig, eos_id: int) -> dict:
+    """GPT2Config's fields for our model: the vocabulary as the model has it (padding included), the
+    LayerNorm epsilon our blocks use, dropout where GPT-2 puts it (we have none on attention weights)."""
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.seq_len, "n_ctx": cfg.seq_len, "n_embd": cfg.d_model, "n_layer": cfg.n_layers,
+        "n_head": cfg.n_heads, "n_inner": cfg.d_ff or 4 * cfg.d_model, "activation_function": "gelu_new",
+        "layer_norm_epsilon": LN_EPS, "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": 0.0,
+        "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False, "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True,
+        "bos_token_id": eos_id, "eos_token_id": eos_id, "torch_dtype": "float32",
+    }
+
+
+def _tokenizer_files(tmp: Path, tok: weights.RunTokenizer, cfg: ModelConfig) -> list[str]:
+    """The run's tokenizer.json and a tokenizer_config.json that makes it load as a fast tokenizer."""
+    if tok.file is None:
+        return []
+    shutil.copyfile(tok.file, tmp / TOKENIZER)
+    from tokenizers import Tokenizer
+
+    eos = Tokenizer.from_file(str(tmp / TOKENIZER)).id_to_token(tok.eos_id)
+    write_json(tmp / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
+                                                "bos_token": eos, "model_max_length": cfg.seq_len})
+    return [TOKENIZER, "tokenizer_config.json"]
+
+
+def _no_file(tok: weights.RunTokenizer) -> str:
+    """What to tell about a tokenizer that has no file to export."""
+    if tok.name == "bytes":
+        return "; tokenizer bytes has no file: ids 0-255 are UTF-8 bytes, 256 ends a text"
+    return f"; tokenizer {tok.name!r} has no file to export (eos id {tok.eos_id})"
+
+
+def write(out: Path, loaded: weights.Loaded, tok: weights.RunTokenizer) -> list[str]:
+    """The model directory, built beside `out` and renamed into place: a failure leaves no partial export."""
+    from safetensors.numpy import save_file
+
+    cfg = loaded.model
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write_json(tmp / CONFIG, gpt2_config(cfg, tok.eos_id), indent=2)
+        # The provenance rides in the safetensors header (string values); params_sha256 is the one the
+        # run's summary.json reports for the same params, however they were sharded.
+        save_file(gpt2_tensors(loaded.params, cfg), str(tmp / MODEL), metadata={
+            "format": "pt", "trainer_checkpoint": str(loaded.picked.dir.absolute()),
+            "trainer_step": str(loaded.picked.step), "trainer_params_sha256": params_sha256(loaded.params),
+            "trainer_tokenizer": tok.name})
+        files = [CONFIG, MODEL, *_tokenizer_files(tmp, tok, cfg)]
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in files:  # safetensors creates its file private (0600): an export is for others to read
+            os.chmod(tmp / f, 0o666 & ~umask)
+        os.replace(tmp, out)  # an empty `out` is replaced; anything else was refused before
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return files
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise ConfigError(f"--out {out} exists and is not an empty directory; pick a new one (nothing was written)")
+    parent = out.absolute().parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ConfigError(f"--out {out}: {parent} is not a writable directory")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer export", description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run dir (or one checkpoint: RUN_DIR/checkpoints/STEP)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the model directory to create (new or empty)")
+    p.add_argument("--step", type=int, metavar="N", help="export this checkpoint (default: the newest that "
+                   "verifies); needed while the run still trains, and it must be sealed")
+    args = p.parse_args(argv)
+    jax.config.update("jax_platforms", "cpu")  # never the training devices: a laptop exports too
+    try:
+        out = Path(args.out)
+        _check_out(out)
+        picked = pick.pick(args.run_dir, args.step)
+        loaded = weights.on_cpu(picked)
+        tok = weights.tokenizer_of(picked.run_dir, loaded.meta)
+        files = write(out, loaded, tok)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for note in picked.notes:
+        print(f"note: {note}", file=sys.stderr)
+    check = "verified" if picked.verified else "UNVERIFIED (saved without content manifests)"
+    n = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(loaded.params))
+    print(f"exported step {picked.step} of {picked.dir} ({check}, {n / 1e6:.3g}M params) to {out}: {', '.join(files)}"
+          + ("" if tok.file else _no_file(tok)))
+    return 0
