@@ -52,6 +52,12 @@ MUTATIONS = [
        ("trainer/core/tiers.py", "return max(cands, key=lambda c: (c[0], c[1] == LOCAL), default=None)",
         "return (min if getattr(self, 'fell_back', False) else max)(cands, key=lambda c: (c[0], c[1] == LOCAL), "
         "default=None)")),
+      tuple(f"tests/test_integrity.py::test_a_bad_newest_checkpoint_is_rejected_and_the_previous_one_used[{how}]"
+            for how in ("bytes_flipped", "deleted", "meta_torn", "truncated", "unsealed"))),
+    M("torn_meta_crashes_the_resume_check", "a torn metadata item in the newest checkpoint is read outside the "
+      "fallback path (the resume check raises instead of asking an older checkpoint)",
+      (("trainer/core/tiers.py", "        except Exception:  # torn or corrupt: an older one answers the same question",
+        "        except FileNotFoundError:  # torn or corrupt: an older one answers the same question"),),
       ("tests/test_integrity.py::test_a_bad_newest_checkpoint_is_rejected_and_the_previous_one_used[meta_torn]",)),
     M("synchronous_save", "Orbax saves synchronously (the loop blocks until the checkpoint is written)",
       (("trainer/core/checkpoint.py", "enable_async_checkpointing=cfg.async_save,",
