@@ -2,22 +2,33 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
+# One JAX compilation cache per test session, empty at its start as on a fresh CI machine (not the user's
+# ~/.cache): every later run of a micro config loads its compiled step instead of compiling it again. A hit
+# is the executable a miss would build, so bitwise comparisons across runs hold (test_supervisor.py checks a
+# restart from the cache against an uninterrupted run).
+COMPILE_CACHE = tempfile.mkdtemp(prefix="trainer-tests-jax-cache-")
+atexit.register(shutil.rmtree, COMPILE_CACHE, True)
 
-# The tiny config shrunk further so a real run of a few dozen steps takes seconds on 2 cores.
+# The tiny config shrunk further so a real run of a few dozen steps takes seconds on 2 cores. No end-of-run
+# report (matplotlib, ~2 s a run): the tests of the report and of its being written turn it back on.
 MICRO = [
     "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.seq_len=64",
     "data.batch_size=16", "train.steps=30", "optim.warmup_steps=5", "log.every_steps=5",
-    "checkpoint.every_steps=10", "log.progress=false", "data.default_corpus_mb=1",
+    "checkpoint.every_steps=10", "log.progress=false", "data.default_corpus_mb=1", "log.report=false",
+    f"run.compile_cache={COMPILE_CACHE}",
 ]
 
 

@@ -19,8 +19,9 @@ from trainer.observe import alerts, health
 
 FAULTS = ("faults=[{kind: ecc, step: 8}, {kind: slow, step: 14, seconds: 0.4, count: 5}, "
           "{kind: hang, step: 33}]")
-RUN = ["train.steps=40", "checkpoint.every_steps=20", "log.health_every_s=0.05", "alerts.throughput_window=10",
-       "alerts.throughput_steps=3", "supervisor.step_timeout_s=8", "alerts.overdue_fraction=0.25", FAULTS]
+RUN = ["train.steps=40", "checkpoint.every_steps=20", "log.report=true", "log.health_every_s=0.05",
+       "alerts.throughput_window=10", "alerts.throughput_steps=3", "supervisor.step_timeout_s=8",
+       "alerts.overdue_fraction=0.25", FAULTS]
 
 
 def _tensorboard(logdir: Path):
@@ -58,6 +59,7 @@ def _heartbeat(run: Path) -> dict | None:
         return None
 
 
+@pytest.mark.slow
 def test_tensorboard_has_every_scalar_group(faulty_run):
     run, _ = faulty_run
     acc = _tensorboard(run / "tb")
@@ -69,13 +71,16 @@ def test_tensorboard_has_every_scalar_group(faulty_run):
                 "goodput/restart_s", "goodput/restarts", "markers/restart", "markers/hang", "markers/checkpoint_now"):
         assert tag in scalars, (tag, sorted(scalars))
     assert all(0 < e.value < 1 for e in acc.Scalars("throughput/mfu"))  # nominal CPU peak from tiny.yaml
-    assert [e.step for e in acc.Scalars("markers/restart")] == [33]
+    assert [e.step for e in acc.Scalars("markers/restart")] == [e.step for e in acc.Scalars("markers/hang")] == [33]
+    ecc = [e["step"] for e in events(run) if e["event"] == "checkpoint_now"]
+    assert [e.step for e in acc.Scalars("markers/checkpoint_now")] == ecc and len(ecc) == 1
     assert max(e.value for e in acc.Scalars("goodput/restarts")) == 1
     texts = set(acc.PluginTagToContent("text"))
     assert {"config/text_summary", "alerts/text_summary", "markers/text_summary"} <= texts
     assert "_hparams_/experiment" in acc.PluginTagToContent("hparams")  # the resolved config as hparams
 
 
+@pytest.mark.slow
 def test_injected_faults_raise_their_alerts(faulty_run):
     run, status_during_hang = faulty_run
     evs = events(run)
@@ -125,12 +130,13 @@ def _first_spike(series: dict[int, float], window: int = 10, z: float = 6.0) -> 
     return None
 
 
+@pytest.mark.slow
 def test_data_spike_shows_in_grad_norm_no_later_than_in_loss(tmp_path):
     data_dir = tmp_path / "data"
     _spike_corpus(data_dir, at_step=20, per_step=16 * 64)  # MICRO: batch 16 x seq_len 64
     runbook_off = ["runbook.enabled=false"] if "runbook" in Config.__dataclass_fields__ else []
     run = tmp_path / "run"
-    run_trainer(run, f"data.path={data_dir}", "data.shuffle=false", *runbook_off, worker=True)
+    run_trainer(run, f"data.path={data_dir}", "data.shuffle=false", *runbook_off, "log.report=true", worker=True)
     steps = [e for e in events(run) if e["event"] == "step"]
     grad = _first_spike({e["step"]: e["grad_norm"] for e in steps})
     loss = _first_spike({e["step"]: e["loss"] for e in steps})

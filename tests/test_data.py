@@ -141,3 +141,7 @@ def test_a_raw_path_is_prepared_once_by_process_0_while_the_other_waits(tmp_path
     assert out0.split()[:2] == out1.split()[:2]  # one directory, one fingerprint
     entry = Path(out0.split()[0])
     assert sorted(p.name for p in cache_dir.iterdir()) == [entry.name, entry.name + ".lock"]
+    # The other order: process 1 arrives after the entry was published and reads it as it is.
+    late = subprocess.run([sys.executable, "-c", ENSURE, str(tmp_path / "a.txt"), str(cache_dir), "1"], cwd=ROOT,
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    assert late.returncode == 0 and late.stdout.split() == [*out0.split()[:2], "False"], late.stderr

@@ -11,6 +11,8 @@ import pytest
 from conftest import events, run_trainer, step_losses, summary
 from corpora import code_jsonl, prepared
 
+pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -m 'not slow')
+
 EVAL = ["eval.every_steps=10", "eval.batches=2"]
 DROPOUT = "model.dropout=0.1"  # the train step draws from the RNG: an eval that touched it would show
 
@@ -34,8 +36,9 @@ def _evals(run) -> dict[int, dict]:
 
 
 def test_eval_never_changes_training_and_its_loss_falls(tmp_path, bpe, with_eval):
+    # The run without eval also runs with log.health=false and a rising ECC count: no collector, no alert.
     run_trainer(tmp_path / "off", f"data.path={bpe}", "model.vocab_size=512", DROPOUT, "eval.every_steps=0",
-                worker=True)
+                "log.health=false", "faults=[{kind: ecc, step: 3}]", worker=True)
     assert summary(with_eval)["params_sha256"] == summary(tmp_path / "off")["params_sha256"]
     assert step_losses(with_eval) == step_losses(tmp_path / "off")  # bitwise, every step
     ev = _evals(with_eval)
@@ -52,6 +55,13 @@ def test_eval_never_changes_training_and_its_loss_falls(tmp_path, bpe, with_eval
 
     line = next(ln for ln in status.render(status.load(with_eval)).splitlines() if ln.startswith("eval "))
     assert f"loss {ev[30]['loss']:.4f}" in line and "at step 30" in line and f"down from {ev[20]['loss']:.4f}" in line
+    # log.health=false: health collection and alerts are off (and, above, change nothing in training).
+    for run, on in ((with_eval, True), (tmp_path / "off", False)):
+        kinds = {e["event"] for e in events(run)}
+        tags = set(_tensorboard(run / "tb").Tags()["scalars"])
+        assert ({"health_source", "health"} <= kinds) == on and any(t.startswith("health/") for t in tags) == on
+    off = {e["event"] for e in events(tmp_path / "off")}  # the ECC count rose from step 3 (an alert with health on)
+    assert not off & {"alert", "checkpoint_now"}, off
 
 
 def test_a_killed_run_on_prepared_data_resumes_bitwise(tmp_path, bpe, with_eval):

@@ -23,6 +23,8 @@ from multihost import reference as group_reference
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
+pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -m 'not slow')
+
 # --- an independent GPT-2 (Radford et al. 2019, as Hugging Face's GPT2LMHeadModel computes it) ----------
 
 

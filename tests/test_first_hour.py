@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY, child_env, events, run_trainer, sets, summary, trainer_cmd
+from conftest import MICRO, ROOT, TINY, child_env, events, run_trainer, sets, summary, trainer_cmd
 
 from trainer.__main__ import SUBCOMMANDS
 from trainer.observe import goodput, report, status
 
-DONE = ["train.steps=12", "checkpoint.every_steps=6"]
+DONE = ["train.steps=12", "checkpoint.every_steps=6", "log.report=true"]
 NOBODY = 65534
 
 
@@ -69,12 +69,14 @@ def _copy(done_run: Path, dest: Path) -> Path:
     return dest
 
 
+@pytest.mark.slow
 def test_a_finished_run_rerun_says_so_and_changes_no_byte(done, tmp_path):
     run, first = done
     lines = [ln for ln in first.splitlines() if ln.strip()]
     assert lines[0].startswith("fresh start: 12 steps of a ") and str(run) in lines[0], first[-2000:]
     complete = f"run complete at step 12: {run}/summary.json (final loss "
     assert lines[-1].startswith(complete) and f"tensorboard --logdir {run}/tb" in lines[-1], first[-2000:]
+    assert f"; report {run}/report/report.md;" in lines[-1], first[-2000:]
     assert not (run / "stacks").exists()  # no empty stack file left by the worker start
     before = _snapshot(run)
     cache = f"data.cache_dir={run.parent / 'cache'}"
@@ -133,6 +135,7 @@ def _bad_inputs(tmp: Path, run: Path) -> list[tuple[list[str], str]]:
     ]
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(done, tmp_path):
     run = _copy(done[0], tmp_path / "run")
     before = _snapshot(run)
@@ -154,6 +157,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(done, tmp_path):
         assert _snapshot(run) == before
 
 
+@pytest.mark.slow
 def test_a_read_only_run_dir_or_parent_is_one_line_as_a_non_root_user(done):
     base = Path(tempfile.mkdtemp(dir="/tmp"))
     try:
@@ -177,6 +181,7 @@ def test_a_read_only_run_dir_or_parent_is_one_line_as_a_non_root_user(done):
         shutil.rmtree(base)
 
 
+@pytest.mark.slow
 def test_damaged_files_we_wrote_are_rebuilt_or_noted(done, tmp_path):
     run = _copy(done[0], tmp_path / "run")
     good = summary(run)
@@ -194,10 +199,11 @@ def test_damaged_files_we_wrote_are_rebuilt_or_noted(done, tmp_path):
         assert rebuilt[key] == good[key], key
 
 
+@pytest.mark.slow
 def test_strict_json_and_no_nan_in_what_status_says(tmp_path):
     """A NaN update with the runbook off: the losses are NaN from there on. Every file stays strict JSON."""
     run = tmp_path / "run"
-    proc = run_trainer(run, "train.steps=10", "checkpoint.every_steps=0", "runbook.enabled=false",
+    proc = run_trainer(run, "train.steps=10", "checkpoint.every_steps=0", "runbook.enabled=false", "log.report=true",
                        "faults=[{kind: nan, step: 6}]", worker=True)
     assert proc.stderr.splitlines()[-1].startswith(f"run complete at step 10: {run}/summary.json (final loss not "
                                                    f"finite (NaN/Inf))"), proc.stderr[-2000:]
@@ -212,12 +218,12 @@ def test_strict_json_and_no_nan_in_what_status_says(tmp_path):
     assert (run / "report" / "loss.png").is_file()
 
 
+@pytest.mark.slow
 def test_library_noise_goes_to_the_worker_log_not_the_terminal(tmp_path):
     """XLA's own info lines (TF_CPP_MIN_LOG_LEVEL=0 turns them on: "PjRt-IFRT device count ..." as the
     backend starts) stay in the worker log. (The tiny config's step no longer makes the partitioner warn.)"""
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "trainer", "--config", TINY, *sets(f"run.dir={run}", "train.steps=2",
-                                                                    "log.progress=false", "log.report=false",
+    run = tmp_path / "run"  # the micro model: any model's start-up shows the backend's lines; compiles cold
+    cmd = [sys.executable, "-m", "trainer", "--config", TINY, *sets(*MICRO, f"run.dir={run}", "train.steps=2",
                                                                     "run.compile_cache=")]
     env = dict(child_env(), TF_CPP_MIN_LOG_LEVEL="0")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
@@ -241,6 +247,7 @@ def _figures(run: Path, monkeypatch) -> dict[str, object]:
     return figs
 
 
+@pytest.mark.slow
 def test_report_plots_and_text_say_only_what_happened(done, tmp_path, monkeypatch):
     run = done[0]
     s = summary(run)

@@ -88,6 +88,7 @@ def stopped_at_20(tmp_path_factory) -> Path:
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", sorted(CORRUPTIONS))
 def test_a_bad_newest_checkpoint_is_rejected_and_the_previous_one_used(tmp_path, stopped_at_20, reference_run,
                                                                        how):
@@ -162,6 +163,7 @@ def test_possibly_transient_read_errors_are_retried_and_others_are_not():
 
 # --- silent data corruption in training ---------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_bitflip_in_one_replica_is_caught_rewound_and_the_run_ends_identical(tmp_path, reference_run):
     ref = reference_run()  # the tiny config's mesh: data 2 x fsdp 2 x tensor 2; params are replicated over data
     run = tmp_path / "run"
@@ -200,6 +202,7 @@ def _kill_after_local_save(run: Path, local: Path, overrides: list[str], step: i
     proc.wait()
 
 
+@pytest.mark.slow
 def test_the_local_tier_resumes_at_the_local_save_and_the_durable_tier_when_it_is_lost(tmp_path, reference_run):
     ref = reference_run()
     local = tmp_path / "local"
@@ -269,6 +272,7 @@ def test_events_and_tensorboard_survive_a_full_disk(tmpfs, capfd):
     assert all(json.loads(x) for x in lines) and json.loads(lines[-1])["step"] == 999  # whole lines only
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_clearly_and_the_same_command_resumes(tmpfs, reference_run):
     ref = reference_run()
     run = tmpfs / "run"

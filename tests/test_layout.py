@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT, TINY, child_env, sets, summary
+import pytest
+from conftest import COMPILE_CACHE, ROOT, TINY, child_env, sets, summary
 
 import trainer
 
@@ -71,13 +72,14 @@ def test_prepare_without_jax(tmp_path):
     assert out.returncode == 0 and (tmp_path / "prepared" / "meta.json").is_file(), out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_supervisor_status_report_without_jax(tmp_path):
     """A whole supervised run whose supervisor cannot import jax (its worker, a separate process, can),
     then status and report on the result, just as jax-less."""
     run = tmp_path / "run"
     micro = ["train.steps=10", "model.d_model=32", "model.n_heads=4", "model.n_layers=1", "model.seq_len=32",
              "data.batch_size=8", "log.progress=false", "data.default_corpus_mb=0.3", "checkpoint.every_steps=5",
-             f"run.dir={run}"]
+             f"run.dir={run}", f"run.compile_cache={COMPILE_CACHE}"]
     out = _cli("--config", TINY, *sets(*micro), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert summary(run)["final_step"] == 10 and "goodput" in summary(run)

@@ -213,12 +213,19 @@ def _run_dir(tmp_path: Path, ckpts: list[int], spike: dict) -> Path:
     return run
 
 
-def test_respond_rewinds_skips_and_records_everything(tmp_path):
+def test_respond_rewinds_skips_and_records_everything(tmp_path, monkeypatch):
     cfg = Config()
     run = _run_dir(tmp_path, [20, 40, 60], dict(_spike(41, end=43, batches=[40, 41, 42], step=44), signal="loss",
                                                  value=7.8, threshold=3.9, open=False))
+    # The new skip list may be written only once the spiked checkpoints are out of the way: a kill right
+    # after it is written must not leave it next to a checkpoint that already trained on the spike (a kill
+    # before it is harmless: the old skips and the old checkpoint replay the spike and the runbook runs again).
+    at_save, save = [], runbook.RunbookState.save
+    monkeypatch.setattr(runbook.RunbookState, "save", lambda self, d: (at_save.append(
+        sorted(p.name for p in (d / "checkpoints").iterdir() if p.name.isdigit())), save(self, d))[1])
     written = []
     out = runbook.respond(run, cfg, lambda event, **f: written.append({"event": event, **f}))
+    assert at_save == [["20", "40"]], at_save
     assert out.action == "skip" and "skipped batches 40-42" in out.message
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["20", "40"]
     assert (run / "rewound" / "60-1" / "marker").read_text() == "60"

@@ -11,12 +11,15 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 import yaml
 from conftest import ROOT, child_env, events, run_trainer, step_losses, summary, trainer_cmd
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from benchmarks.runbook_spike import write_corpora
 from trainer.supervise import exit_codes
+
+pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -m 'not slow')
 
 # Micro runs leave their fast early drop by step ~20: judge from there, on a short window.
 RB = ["runbook.window=16", "runbook.min_history=8", "runbook.warmup_steps=20", "runbook.probe_steps=4",
@@ -130,5 +133,12 @@ def test_a_recurring_spike_softens_and_a_persistent_one_gives_up(tmp_path):
     assert [e.value for e in tb.Scalars("runbook/action")] == [1.0, 2.0, 3.0]
     at25 = [e.value for e in tb.Scalars("optim/lr") if e.step == 25]  # before the soften, then after it
     assert len(at25) == 2 and math.isclose(at25[1], at25[0] / 2, rel_tol=1e-6)
+    # The dashboard's markers: each spike, rewind, skip and soften at the step of its event, written by the
+    # worker that starts after it (none follows the give-up: runbook/action above marks that one).
+    last_start = max(i for i, e in enumerate(evs) if e["event"] == "worker_start")
+    for name, kind in (("spike", "spike_detected"), ("rewind", "rewind"), ("skip", "skip"), ("soften", "soften")):
+        want = [e["step"] for e in evs[:last_start] if e["event"] == kind]
+        assert len(want) == (1 if name in ("skip", "soften") else 2), (name, want)
+        assert [e.step for e in tb.Scalars(f"markers/{name}")] == want, name
     # The run dir is left at the last good checkpoint: nothing newer than where the spike began.
     assert max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == 20

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import ROOT, TINY, child_env, sets
 
 from trainer.core import hlo
@@ -69,6 +70,7 @@ def _inspect_with_dump(mesh: str, dump: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_compiled_step_moves_what_the_plan_says(tmp_path):
     procs = {m: _inspect_with_dump(m, tmp_path / m) for m in MESHES}
     dumped, reported = {}, {}

@@ -19,6 +19,8 @@ from conftest import MICRO, ROOT, TINY, events, sets, summary
 from multihost import TWO, at_step, audit, group_overrides, reference
 from slurm_cluster import TERMINAL_STATES, job_info, job_state, local_slurm, slurm_available, wait_job
 
+pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -m 'not slow')
+
 
 def _require_slurm() -> None:
     reason = ("SLURM binaries not installed (run .ci/install-slurm.sh)" if not slurm_available()

@@ -10,13 +10,17 @@ import time
 from pathlib import Path
 
 import matplotlib.image
-from conftest import ROOT, child_env, trainer_cmd
+import pytest
+from conftest import ROOT, child_env, events, step_losses, trainer_cmd
+from test_first_hour import _figures
 
-from trainer.observe import status
+from trainer.observe import goodput, status
 
 PNGS = ("loss.png", "grad_norm.png", "throughput.png", "goodput.png")
-# A crash at step 12 (restart from the step-10 checkpoint), then slow steps so the run stays observable.
-RUN = ["train.steps=36", "faults=[{kind: crash, step: 12}, {kind: slow, step: 16, seconds: 0.25, count: 20}]"]
+# The worker kills itself with SIGUSR2 at step 12 (the `signal` fault; restart from the step-10 checkpoint),
+# then slow steps keep the run observable.
+RUN = ["train.steps=36", "log.report=true", "faults=[{kind: signal, step: 12, signal: SIGUSR2}, "
+       "{kind: slow, step: 16, seconds: 0.25, count: 20}]"]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -44,7 +48,8 @@ def _check_pngs(folder: Path) -> None:
         assert img.shape[0] > 200 and img.shape[1] > 600, (name, img.shape)
 
 
-def test_status_and_report_while_running_and_after_restarts(tmp_path):
+@pytest.mark.slow
+def test_status_and_report_while_running_and_after_restarts(tmp_path, monkeypatch):
     run = tmp_path / "run"
     log = open(tmp_path / "run.log", "w")
     proc = subprocess.Popen(trainer_cmd(run, *RUN), cwd=ROOT, env=child_env(), stdout=log, stderr=log)
@@ -73,6 +78,71 @@ def test_status_and_report_while_running_and_after_restarts(tmp_path):
     md = (run / "report" / "report.md").read_text()
     assert "COMPLETE" in md and "restart" in md and "![loss.png](loss.png)" in md
     assert status.steady_step_s(run) > 0
+    (died,) = [e for e in events(run) if e["event"] == "worker_exit" and e.get("signal")]
+    assert died["signal"] == "SIGUSR2" and died["step"] == 12, died  # the signal the fault names
+    _report_shows_the_run(run, monkeypatch)
+
+
+def _report_shows_the_run(run: Path, monkeypatch) -> None:
+    """What the PNGs draw, read from the figures the report saves: every attempt's losses (the restarted
+    one dashed), the restart marker at its step, and the goodput bars at the ledger's seconds."""
+    figs = _figures(run, monkeypatch)
+    (ax,) = figs["loss.png"].axes
+    series = [ln for ln in ax.get_lines() if ln.get_color() == "tab:blue"]
+    by_attempt: list[dict] = []  # step -> loss, per worker attempt (each begins with init or restore)
+    for e in events(run):
+        if e["event"] in status.ATTEMPT_START:
+            by_attempt.append({})
+        elif e["event"] == "step":
+            by_attempt[-1][e["step"]] = e["loss"]
+    assert len(by_attempt) == 2 and [ln.get_linestyle() for ln in series] == ["-", "--"], series
+    for line, want in zip(series, by_attempt):
+        assert dict(zip(line.get_xdata(), line.get_ydata())) == want
+    assert sorted({k for a in by_attempt for k in a}) == sorted(step_losses(run)) == list(range(1, 37))
+    restarts = [ln.get_xdata()[0] for ln in ax.get_lines() if ln.get_label() == "restart"]
+    assert restarts == [12], [(ln.get_label(), ln.get_xdata()) for ln in ax.get_lines()]
+    (ax,) = figs["goodput.png"].axes
+    led = status.ledger_now(status.load(run), False)["goodput"]["seconds"]
+    bars = [round(p.get_width(), 6) for p in ax.patches]
+    assert bars == [round(led[k], 6) for k in goodput.CATEGORIES if led[k] >= 0.05], (bars, led)
+    assert ax.get_title().endswith("(1 restart)") and led["restart"] > 0 and led["recompute"] > 0
+
+
+def test_the_goodput_ledger_puts_known_seconds_in_each_category():
+    """A synthetic history with known seconds: a first session (start-up, steps, a save blocking 0.5 s, a
+    crash, recomputed steps, the final save, shutdown), then a resumed session after a gap that is no
+    one's. Times are exact binary fractions, so every category is compared exactly."""
+    t = 1000.0
+
+    def ev(kind, at, **f):
+        return {"event": kind, "time": t + at, **f}
+
+    def step(n, at, step_s=2.0, block=0.0):
+        return ev("step", at, step=n, step_s=step_s, ckpt_block_s=block)
+
+    history = [
+        ev("supervisor_start", 0), ev("worker_start", 0.5, by="supervisor"),
+        step(1, 10), step(2, 12, block=0.5), step(3, 14),  # startup: 0 -> 8 (step 1 began at 10 - 2)
+        ev("worker_exit", 15, by="supervisor", exit_code=13), ev("restart", 15.25, by="supervisor"),
+        ev("worker_start", 15.5, by="supervisor"),
+        step(2, 25), step(3, 27), step(4, 29),  # 2 and 3 again: recomputed; recovery 15 -> 25
+        ev("run_complete", 31, step=4),  # the worker's: 29 -> 31 waiting for the final save to be durable
+        ev("worker_exit", 32, by="supervisor", exit_code=0), ev("run_complete", 33, by="supervisor"),
+        # A resumed session 66 s later (the gap is no one's): its start-up counts as restart downtime.
+        ev("supervisor_start", 100), step(5, 110), ev("hang_detected", 111, by="supervisor"),
+        ev("worker_start", 113, by="supervisor"), step(6, 120, step_s=4.0), ev("run_complete", 122, step=6),
+    ]
+    history.insert(3, history.pop())  # file order is not time order: the ledger sorts by time
+    led = goodput.ledger(history, t, t + 125)
+    secs = led["goodput"]["seconds"]
+    # Session 1 (0 -> 33): productive 2 + 1.5 + 2 + 2, recompute 2 + 2, checkpoint 0.5 + 2, startup 8,
+    # shutdown 33 - 31 = 2, restart the rest: 33 - 24 = 9. Session 2 (100 -> 125): productive 2 + 4,
+    # checkpoint 122 - 120 = 2, shutdown 125 - 122 = 3, restart 25 - 11 = 14 (its start 100 -> 108, and
+    # 110 -> 116: the hang, its detection and the restart).
+    assert secs == {"productive": 13.5, "recompute": 4.0, "checkpoint": 4.5, "startup": 8.0, "shutdown": 5.0,
+                    "restart": 23.0}, secs
+    assert led["wall_s"] == 58.0 and led["recoveries_s"] == [10.0, 9.0]
+    assert led["goodput"]["fractions"] == {k: v / 58.0 for k, v in secs.items()}
 
 
 def test_status_on_a_dir_that_is_not_a_run(tmp_path):

@@ -6,16 +6,20 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 import psutil
+import pytest
 from conftest import ROOT, child_env, events, run_trainer, step_losses, summary, trainer_cmd
 
 from trainer.observe import manifest
 from trainer.supervise import exit_codes
+
+pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -m 'not slow')
 
 LONG = ["train.steps=60"]  # long enough to be killed several times
 
@@ -82,11 +86,23 @@ def test_chaos_sigkill_at_random_moments_including_mid_checkpoint(tmp_path, refe
     print("recoveries_s", s["recoveries_s"], "goodput", s["goodput"])
 
 
-def test_hangs_are_detected_dumped_and_recovered(tmp_path, reference_run):
+# A hang in every phase, each caught by its own timeout: startup and compile (startup_timeout_s), restore,
+# the step (an injected one at 8; a SIGSTOP from outside later), and a checkpoint write at step 10.
+PHASE_HANGS = ("faults=[{kind: hang, step: 0, phase: startup}, {kind: hang, step: 0, phase: restore}, "
+               "{kind: hang, step: 0, phase: compile}, {kind: hang, step: 8}, "
+               "{kind: hang, step: 10, phase: checkpoint}]")
+TIMEOUTS = {"startup": 10, "compile": 10, "restore": 6, "step": 4, "checkpoint": 8}
+# Where each phase's hang sits in the worker (the fault's hook, called by): its stack dump must show it.
+HUNG_IN = {"startup": ("_enter", "run"), "restore": ("_enter", "_restore_or_init"), "compile": ("_enter", "_compile"),
+           "step": ("before_step", "_train"), "checkpoint": ("_enter", "_save")}
+
+
+def test_hangs_in_every_phase_are_detected_by_their_own_timeout_dumped_and_recovered(tmp_path, reference_run):
     ref = reference_run()
     run = tmp_path / "run"
-    sup = _start(run, "faults=[{kind: hang, step: 8}]", "supervisor.step_timeout_s=4")
-    # The injected hang first; then a SIGSTOP from outside on the restarted worker.
+    timeouts = [f"supervisor.{p}_timeout_s={t}" for p, t in TIMEOUTS.items() if p != "compile"]
+    sup = _start(run, PHASE_HANGS, *timeouts, "supervisor.crash_loop_restarts=4", "supervisor.backoff_s=0.1")
+    # The injected hangs first (attempts 1-5); then a SIGSTOP from outside on the worker that gets past them.
     first = _worker_at(run, 8)
     second = _worker_at(run, 18, not_pid=first["pid"])
     os.kill(second["pid"], signal.SIGSTOP)
@@ -94,11 +110,17 @@ def test_hangs_are_detected_dumped_and_recovered(tmp_path, reference_run):
     out, err = sup.communicate(timeout=600)
     assert sup.returncode == 0, err[-3000:]
     hangs = [e for e in events(run) if e["event"] == "hang_detected"]
-    assert [h["pid"] for h in hangs] == [first["pid"], second["pid"]]
-    assert all(4 <= h["silent_s"] <= 4 + 3 for h in hangs), hangs
-    assert hangs[1]["time"] - stopped_at <= 4 + 3
-    stacks = (run / "stacks" / f"worker-{first['pid']}.txt").read_text()
-    assert "faults.py" in stacks and "before_step" in stacks  # where the injected hang sleeps
+    phases = ["startup", "restore", "compile", "step", "checkpoint", "step"]
+    assert [(h["phase"], h["step"], h["timeout_s"]) for h in hangs] == [
+        (p, s, TIMEOUTS[p]) for p, s in zip(phases, (0, 0, 0, 8, 10, second["step"]))], hangs
+    assert all(h["timeout_s"] <= h["silent_s"] <= h["timeout_s"] + 3 for h in hangs), hangs
+    assert [h["pid"] for h in hangs][3::2] == [first["pid"], second["pid"]]
+    assert hangs[-1]["time"] - stopped_at <= 4 + 3
+    for h, phase in zip(hangs[:5], phases):  # where each injected hang sleeps, in its stack dump
+        stacks = (run / "stacks" / f"worker-{h['pid']}.txt").read_text()
+        hook, caller = HUNG_IN[phase]
+        assert "faults.py" in stacks and re.search(rf"in {hook}\n\s*File \"[^\"]+\", line \d+ in {caller}\n",
+                                                    stacks), (phase, stacks[-2000:])
     _assert_same_as_reference(run, ref)
 
 
@@ -146,6 +168,27 @@ def test_a_crash_loop_gives_up_with_the_step_and_the_last_error(tmp_path):
     assert [e["event"] for e in events(run)][-1] == "gave_up"
 
 
+def test_the_restart_budget_ends_the_run_with_exit_77_after_bounded_backoff(tmp_path):
+    """A worker that fails on every start (before any step: the same "step" each time) with a budget of 4
+    restarts: the first retry is at once, then the delay doubles from backoff_s up to backoff_max_s, and the
+    5th failure spends the budget: exit 77, whatever crash_loop_restarts would allow."""
+    run = tmp_path / "run"
+    proc = run_trainer(run, "faults=[{kind: startup, step: 0, repeat: true}]", "supervisor.max_restarts=4",
+                       "supervisor.crash_loop_restarts=10", "supervisor.backoff_s=0.2", "supervisor.backoff_max_s=0.5",
+                       check=False, timeout=300)
+    assert proc.returncode == exit_codes.RESTART_BUDGET, proc.stderr[-2000:]
+    assert f"giving up ({exit_codes.NAMES[exit_codes.RESTART_BUDGET]})" in proc.stderr, proc.stderr[-2000:]
+    evs = events(run)
+    restarts = [e for e in evs if e["event"] == "restart"]
+    assert [r["backoff_s"] for r in restarts] == [0.0, 0.2, 0.4, 0.5]
+    # ... and it waited that long: each next worker started no sooner than its restart's delay.
+    starts = [e["time"] for e in evs if e["event"] == "worker_start"][1:]
+    assert len(starts) == 4 and all(t - r["time"] >= r["backoff_s"] for r, t in zip(restarts, starts))
+    (gave_up,) = [e for e in evs if e["event"] == "gave_up"]
+    assert gave_up["restarts"] == 4 and gave_up["reason"] == "restart budget spent", gave_up
+    assert [e["event"] for e in evs].count("worker_exit") == 5
+
+
 def test_a_second_supervisor_on_the_same_run_dir_is_refused(tmp_path):
     run = tmp_path / "run"
     sup = _start(run)
@@ -156,9 +199,10 @@ def test_a_second_supervisor_on_the_same_run_dir_is_refused(tmp_path):
     sup.wait()
 
 
-def test_restart_uses_the_compilation_cache(tmp_path):
+def test_restart_uses_the_compilation_cache(tmp_path, reference_run):
     run = tmp_path / "run"
     cache = tmp_path / "jax-cache"
     run_trainer(run, f"run.compile_cache={cache}", "faults=[{kind: crash, step: 15}]")
     compiles = [e["seconds"] for e in events(run) if e["event"] == "compiled"]
     assert len(compiles) == 2 and compiles[1] < 0.5 * compiles[0], compiles
+    _assert_same_as_reference(run, reference_run())  # the executable from the cache computes the same bits

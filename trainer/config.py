@@ -127,9 +127,10 @@ class IntegrityConfig:
 
 @dataclass
 class Fault:
-    kind: str  # crash | hang | crash_mid_save | slow | signal | ecc | nan | spike | bitflip | startup
+    kind: str  # crash | hang | crash_mid_save | slow | slow_save | signal | ecc | nan | spike | bitflip | startup
     step: int  # startup: ignored (it fires while the worker starts, before any step)
-    seconds: float = 0.0  # slow: extra seconds per step
+    seconds: float = 0.0  # slow: extra seconds per step; slow_save: extra seconds to commit the durable save
+    phase: str = "step"  # hang, slow: the phase they fire in: step | startup | restore | compile | checkpoint
     count: int = 1  # slow: how many steps; ecc: simulated ECC errors added per step from `step` on
     signal: str = "SIGKILL"  # signal: which one the worker sends itself
     scale: float = 1000.0  # spike: multiply the LR by this for the one update at `step`
@@ -267,13 +268,16 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.stop_at_step ({cfg.train.stop_at_step}) is past train.steps ({cfg.train.steps})")
     if not cfg.run.dir:
         raise ConfigError("run.dir must be set (e.g. --set run.dir=runs/mine)")
-    from trainer.supervise.faults import KINDS  # local: faults imports config
+    from trainer.supervise.faults import FAULT_PHASES, KINDS  # local: faults imports config
 
     for i, f in enumerate(cfg.faults):
         if f.kind not in KINDS:
             raise ConfigError(f"faults[{i}].kind must be one of {', '.join(KINDS)}, got {f.kind!r}")
         if f.step < 0:
             raise ConfigError(f"faults[{i}].step must be >= 0, got {f.step}")
+        if f.phase not in FAULT_PHASES or (f.phase != "step" and f.kind not in ("hang", "slow")):
+            raise ConfigError(f"faults[{i}].phase must be one of {', '.join(FAULT_PHASES)} (hang and slow only), "
+                              f"got {f.phase!r} for {f.kind}")
     _validate_launch(cfg.launch)
     _validate_runbook(cfg.runbook)
 

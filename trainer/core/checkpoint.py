@@ -11,6 +11,7 @@ across tiers: trainer.core.tiers.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import threading
@@ -23,6 +24,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as cm
+from orbax.checkpoint._src.path import atomicity
 
 from trainer.config import CheckpointConfig
 from trainer.observe import manifest
@@ -108,12 +110,26 @@ def _local_handlers(mp: ocp.options.MultiprocessingOptions) -> dict:
             "meta": ocp.JsonCheckpointHandler(multiprocessing_options=mp)}
 
 
+def _slow_commits(delay_s: Callable[[int], float]) -> type:
+    """The slow_save fault's storage: Orbax's own atomic rename of the step directory, `delay_s(step)` seconds
+    late. Orbax commits in its background thread when saves are async, in the caller's thread otherwise."""
+
+    class SlowCommit(atomicity.AtomicRenameTemporaryPath):
+        async def finalize(self):
+            if (name := self.get_final().name).isdigit():  # the step directory (its items use this class too)
+                await asyncio.sleep(delay_s(int(name)))
+            await super().finalize()
+
+    return SlowCommit
+
+
 class Checkpointer:
     """One tier's Orbax manager. `tier="durable"`: shared storage, one checkpoint written by all processes
     together. `tier="local"`: this process's own directory on node-local storage."""
 
     def __init__(self, directory: Path, cfg: CheckpointConfig, *, tier: str = "durable",
-                 pinned: Callable[[list[int]], set[int]] | None = None, read_only: bool = False):
+                 pinned: Callable[[list[int]], set[int]] | None = None, read_only: bool = False,
+                 commit_delay: Callable[[int], float] | None = None):
         self.cfg, self.tier = cfg, tier
         self.directory = Path(directory).absolute()
         local = tier == "local"
@@ -136,6 +152,7 @@ class Checkpointer:
             create=not read_only and not local,
             read_only=read_only,
             cleanup_tmp_directories=not read_only,
+            temporary_path_class=_slow_commits(commit_delay) if commit_delay else None,
             **extra,
         )
         items = dict(item_names=ITEMS)

@@ -62,7 +62,7 @@ def run(cfg: Config) -> int:
     w = setup(cfg)
     flags = Flags(lr_scale_now=w.hyperparams["lr_scale"])
     _install_signals(w, flags)
-    w.heartbeat.beat("startup", 0)
+    _enter(w, "startup", 0)
     st, start, tier = _restore_or_init(w)
     if w.primary:  # one line saying where this attempt begins, before any library output
         print(outcome.begin_line(w.run_dir, start, steps=cfg.train.steps, n_params=w.n_params, tier=tier,
@@ -93,6 +93,12 @@ def run(cfg: Config) -> int:
     return code
 
 
+def _enter(w: Worker, phase: str, step: int) -> None:
+    """The heartbeat says the worker entered `phase`; a hang or slow fault of that phase fires here."""
+    w.heartbeat.beat(phase, step)
+    w.faults.in_phase(phase, step)
+
+
 def _install_signals(w: Worker, flags: Flags) -> None:
     def handler(signum, frame):  # finish the current step, save, exit PREEMPTED
         flags.stop = True
@@ -107,7 +113,7 @@ def _install_signals(w: Worker, flags: Flags) -> None:
 
 
 def _restore_or_init(w: Worker):
-    w.heartbeat.beat("restore", 0)
+    _enter(w, "restore", 0)
     t0 = time.perf_counter()
     restored = w.ckpt.restore_newest(w.spec.abstract, layout={"processes": jax.process_count(),
                                                               "mesh": dict(zip(mesh_lib.AXES, w.mesh.devices.shape))})
@@ -132,7 +138,7 @@ def _audit_log(w: Worker, start: int) -> AuditLog:
 
 def _compile(w: Worker, start: int):
     """The train step compiled ahead of time (a cache hit on restart), shardings fixed."""
-    w.heartbeat.beat("compile", start)
+    _enter(w, "compile", start)
     t0 = time.perf_counter()
     compiled = lower_train_step(w.spec, w.mesh, w.cfg, microbatches=w.microbatches).compile()
     w.events.write("compiled", step=start, seconds=time.perf_counter() - t0, microbatches=w.microbatches)
@@ -243,7 +249,7 @@ def _meta(w: Worker) -> dict:
 
 def _save(w: Worker, st, step: int, reason: str, tier: str) -> float | None:
     """Start a save into one tier: its blocking seconds, or None when a durable save could not be written."""
-    w.heartbeat.beat("checkpoint", step)
+    _enter(w, "checkpoint", step)
     try:
         blocking = w.ckpt.save(step, st, {"next_index": step}, _meta(w), tier=tier)
     except checkpoint.SaveFailed:

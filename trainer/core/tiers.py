@@ -63,10 +63,11 @@ class Tiers:
     """What the loop saves into and restores from. `log` writes events (process 0's event log)."""
 
     def __init__(self, run_dir: Path, cfg: CheckpointConfig, *, log: Callable[..., None],
-                 pinned: Callable[[list[int]], set[int]] | None, rewinds: list[int]):
+                 pinned: Callable[[list[int]], set[int]] | None, rewinds: list[int],
+                 commit_delay: Callable[[int], float] | None = None):
         self.cfg, self.log = cfg, log
         self.run_dir = Path(run_dir)
-        self.durable = Checkpointer(self.run_dir / rundir.CHECKPOINTS, cfg, pinned=pinned)
+        self.durable = Checkpointer(self.run_dir / rundir.CHECKPOINTS, cfg, pinned=pinned, commit_delay=commit_delay)
         self.local: Checkpointer | None = None
         if cfg.local_dir:
             root = rundir.local_root(cfg.local_dir, run_dir)

@@ -212,7 +212,8 @@ def setup(cfg: Config) -> Worker:
     w = Worker(
         cfg=cfg, run_dir=run_dir, primary=primary, corpus=corpus, mesh=mesh, spec=spec,
         ckpt=tiers.Tiers(run_dir, cfg.checkpoint, log=events.write, pinned=pins,
-                         rewinds=[h["to"] for h in rb.history if h["action"] in ("skip", "soften")]),
+                         rewinds=[h["to"] for h in rb.history if h["action"] in ("skip", "soften")],
+                         commit_delay=faults.commit_delay if faults.slow_saves() else None),
         events=events, scalars=scalars, heartbeat=Heartbeat(run_dir, jax.process_index(), data=corpus.fingerprint),
         faults=faults, skips=rb.skips, hyperparams=rb.hyperparams(), n_params=state_lib.param_count(spec.abstract),
         replicas=ReplicaCheck(mesh, spec.abstract["params"]) if cfg.integrity.replica_check_steps else None,

@@ -15,7 +15,10 @@ from pathlib import Path
 from trainer.config import Fault
 from trainer.observe.rundir import write_json
 
-KINDS = ("crash", "hang", "crash_mid_save", "slow", "signal", "ecc", "nan", "spike", "bitflip", "startup")
+KINDS = ("crash", "hang", "crash_mid_save", "slow", "slow_save", "signal", "ecc", "nan", "spike", "bitflip",
+         "startup")
+# Where hang and slow faults fire: a step (the default), or the worker's other heartbeat phases.
+FAULT_PHASES = ("step", "startup", "restore", "compile", "checkpoint")
 
 
 class InjectedStartupError(RuntimeError):
@@ -32,10 +35,10 @@ class FaultInjector:
         self._fired = set(json.loads(self._path.read_text())) if self._path.is_file() else set()
         self._ecc_from: dict[int, tuple[int, int]] = {}  # id(fault) -> (first step, errors per step)
 
-    def _pending(self, kind: str, step: int, *, open_ended: bool = False) -> Fault | None:
+    def _pending(self, kind: str, step: int, *, open_ended: bool = False, phase: str = "step") -> Fault | None:
         for i, f in self._faults:
             end = float("inf") if open_ended else f.step + max(f.count, 1)
-            if f.kind == kind and i not in self._fired and f.step <= step < end:
+            if f.kind == kind and f.phase == phase and i not in self._fired and f.step <= step < end:
                 return f
         return None
 
@@ -69,7 +72,20 @@ class FaultInjector:
         if f := self._pending("signal", step):
             self._record(f)
             os.kill(os.getpid(), getattr(signal, f.signal))
-        if f := self._pending("hang", step):
+        self._hang_or_slow("step", step)
+
+    def in_phase(self, phase: str, step: int) -> None:
+        """Called right after the worker's heartbeat says it entered `phase` (startup, restore, compile,
+        checkpoint): the hang and slow faults of that phase fire here."""
+        self._hang_or_slow(phase, step)
+
+    def _hang_or_slow(self, phase: str, step: int) -> None:
+        # Outside the step phase a fault fires once, the first time the phase is entered at or after its step.
+        other = phase != "step"
+        if other and (f := self._pending("slow", step, open_ended=True, phase=phase)):
+            self._record(f)
+            time.sleep(f.seconds)
+        if f := self._pending("hang", step, open_ended=other, phase=phase):
             self._record(f)
             while True:  # a hung collective looks like this from the outside: alive, no progress
                 time.sleep(3600)
@@ -96,6 +112,17 @@ class FaultInjector:
                 self._record(f)
                 return True
         return False
+
+    def slow_saves(self) -> bool:
+        return any(f.kind == "slow_save" for _, f in self._faults)
+
+    def commit_delay(self, step: int) -> float:
+        """The slow_save fault: seconds the storage takes on top to commit the durable save of `step` (read
+        in the thread that commits it: Orbax's background thread, or the caller's when saves are synchronous)."""
+        if f := self._pending("slow_save", step, open_ended=True):
+            self._record(f)
+            return f.seconds
+        return 0.0
 
     def after_save_started(self, step: int) -> None:
         """Called right after an async save was started for `step`: die while it is being written."""
