@@ -146,6 +146,24 @@ def test_data_spike_shows_in_grad_norm_no_later_than_in_loss(tmp_path):
     assert (run / "report" / "loss.png").is_file()
 
 
+def test_the_tensorboard_writer_does_not_import_torch(tmp_path):
+    """torch is installed for the export check (.ci/install-transformers.sh); tensorboardX imports it when it
+    can, which costs seconds at every worker start and every supervisor ledger write."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("torch") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("torch is not installed under CI: run .ci/install-transformers.sh")
+        pytest.skip("torch is not installed: nothing to keep out")
+    code = ("import sys\nfrom trainer.observe.tensorboard import Writer\n"
+            f"w = Writer({str(tmp_path)!r})\nw.add(1, {{'loss/train': 1.0}})\nw.close()\nprint('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=child_env())
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr[-2000:]
+    assert [e.value for e in _tensorboard(tmp_path).Scalars("loss/train")] == [1.0]
+
+
 class _SlowSource:
     name = "slow"
 

@@ -10,6 +10,7 @@ the training data never depends on whether eval is on.
 from __future__ import annotations
 
 import json
+import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -91,10 +92,12 @@ def open_source(path: str, *, text_field: str, default_corpus_mb: float, key: st
 def default_corpus(cap_mb: float, text_field: str = "text") -> Source:
     """The standard library's own .py sources: present wherever Python is, never downloaded."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        p for p in stdlib.rglob("*.py")
-        if "site-packages" not in p.parts and "test" not in p.parts and "tests" not in p.parts
-    )
+    skip = {"site-packages", "test", "tests"}
+    found = []
+    for root, dirs, names in os.walk(stdlib):  # every worker start lists it: never walk what is skipped
+        dirs[:] = [d for d in dirs if d not in skip]
+        found += [Path(root, n) for n in names if n.endswith(".py")]
+    files = sorted(p for p in found if not skip & set(p.parts))
     chosen, total = [], 0
     for p in files:
         size = p.stat().st_size

@@ -18,10 +18,8 @@ from trainer.observe.events import NO_SPACE
 class Writer:
     def __init__(self, logdir: Path, *, enabled: bool = True, suffix: str = ""):
         self._w = None
-        if enabled:
-            from tensorboardX import SummaryWriter  # loaded only by writers that write
-
-            self._w = SummaryWriter(str(logdir), flush_secs=10, filename_suffix=suffix)
+        if enabled:  # loaded only by writers that write
+            self._w = _summary_writer()(str(logdir), flush_secs=10, filename_suffix=suffix)
             _guard_disk_full(self._w, logdir)
 
     def add(self, step: int, values: dict[str, float]) -> None:
@@ -55,6 +53,21 @@ class Writer:
     def close(self) -> None:
         if self._w:
             self._w.close()
+
+
+def _summary_writer() -> type:
+    """tensorboardX's SummaryWriter, imported without torch: where torch is installed (the export check
+    needs it) tensorboardX imports it only to accept torch tensors, which we never write, and that import
+    costs seconds at every worker start and every supervisor ledger write."""
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # `import torch` raises ImportError: tensorboardX goes on without it
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if hide:
+            del sys.modules["torch"]
+    return SummaryWriter
 
 
 class _NoSpaceGuard:
