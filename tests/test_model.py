@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from trainer.config import ModelConfig
 from trainer.core.model import GPT, REMAT_POLICIES, flops_per_token
@@ -32,6 +33,7 @@ def test_logits_are_causal():
     assert not np.allclose(a[:, 20:], b[:, 20:])
 
 
+@pytest.mark.slow  # compiles the gradient of six model variants: the longest test outside the end-to-end ones
 def test_bf16_compute_and_remat_train_to_finite_losses():
     tokens = jax.random.randint(jax.random.key(2), (4, CFG.seq_len + 1), 0, 256)
     losses = {}
