@@ -1,7 +1,9 @@
 """launch/slurm.sbatch on a real, private SLURM (one node on loopback, tests/slurm_cluster.py): a job with
 2 tasks trains; one task is SIGKILLed and the supervisor restarts the step inside the same allocation;
 then SIGTERM to the job saves, requeues, and the requeued job finishes with the bytes of an
-uninterrupted 2-process run.
+uninterrupted 2-process run. The cluster itself leaves nothing behind: its teardown kills running jobs and
+every daemon. (One module on purpose: pytest-xdist runs a module on one worker, and two private clusters
+on one machine at once are not something this harness promises.)
 
 Skipped without SLURM binaries or root, except under CI (where it must run: .ci/run installs SLURM).
 """
@@ -12,12 +14,23 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
 from conftest import MICRO, ROOT, TINY, events, sets, summary
 from multihost import TWO, at_step, audit, group_overrides, reference
-from slurm_cluster import TERMINAL_STATES, job_info, job_state, local_slurm, slurm_available, wait_job
+from slurm_cluster import (
+    TERMINAL_STATES,
+    cluster_pids,
+    job_info,
+    job_state,
+    local_slurm,
+    sbatch,
+    slurm_available,
+    wait_for,
+    wait_job,
+)
 
 pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -m 'not slow')
 
@@ -74,3 +87,22 @@ def test_sbatch_job_survives_a_killed_task_and_a_preemption(tmp_path, tmp_path_f
     assert summary(run)["params_sha256"] == summary(ref_run)["params_sha256"]
     st = audit(run, "--compare", str(ref_run))
     assert st["compared_steps"] == 30 and st["rechecked_rows"] > 0, st
+
+
+def test_teardown_kills_running_jobs(tmp_path):
+    _require_slurm()
+    started = tmp_path / "started"
+    script = tmp_path / "long.sbatch"
+    script.write_text(textwrap.dedent(f"""\
+        #!/bin/bash
+        #SBATCH --ntasks=2
+        #SBATCH --output={tmp_path}/long.out
+        srun bash -c 'touch {started}.$SLURM_PROCID; trap "" TERM; sleep 600'
+        """))
+    script.chmod(0o755)
+    with local_slurm(tmp_path / "slurm", cpus=4) as env:
+        job = sbatch(script, env, f"--chdir={tmp_path}")
+        wait_for(lambda: all((tmp_path / f"started.{i}").exists() for i in range(2)), timeout=30, what="tasks")
+        assert len(cluster_pids(env)) >= 4  # stepds + tasks
+        assert job_info(job, env)["JobState"] == "RUNNING"
+    assert cluster_pids(env) == []
