@@ -15,10 +15,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
-# One JAX compilation cache per pytest process (each pytest-xdist worker has its own), empty at its start as on a fresh CI machine (not the user's
-# ~/.cache): every later run of a micro config loads its compiled step instead of compiling it again. A hit
-# is the executable a miss would build, so bitwise comparisons across runs hold (test_supervisor.py checks a
-# restart from the cache against an uninterrupted run).
+# One JAX compilation cache per pytest process (each pytest-xdist worker has its own), empty at its start
+# as on a fresh CI machine (not the user's ~/.cache): every later run of a micro config loads its compiled
+# step instead of compiling it again. A hit is the executable a miss would build, so bitwise comparisons
+# across runs hold (test_supervisor.py checks a restart from the cache against an uninterrupted run).
 COMPILE_CACHE = tempfile.mkdtemp(prefix="trainer-tests-jax-cache-")
 atexit.register(shutil.rmtree, COMPILE_CACHE, True)
 
