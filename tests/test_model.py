@@ -1,4 +1,4 @@
-"""The GPT itself: causal, finite in bf16 and under every remat policy, logits shaped (B, L, V); its param
+"""The GPT itself: causal, finite in bf16 and under every remat policy, logits shaped (B, L, V), bias gradients the plain sum; its param
 tree (names, shapes, logical axes) is the one model.py documents, scanned or unrolled, and both compute the
 same function."""
 
@@ -103,3 +103,20 @@ def test_scanned_and_unrolled_layers_compute_the_same_function():
     tokens = jax.random.randint(jax.random.key(3), (2, L), 0, 256)
     a, b = model.apply({"params": params}, tokens), unrolled.apply({"params": as_unrolled}, tokens)
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_bias_gradient_is_the_sum_over_broadcast_axes_in_fp32():
+    # add_bias replaces the add's reduce with a matmul against ones: its gradient must stay the plain sum.
+    from trainer.core.model import add_bias
+
+    y = jax.random.normal(jax.random.key(3), (3, 5, 2, 4))
+    bias = jax.random.normal(jax.random.key(4), (2, 4))
+    w = jax.random.normal(jax.random.key(5), y.shape)  # a non-uniform cotangent
+    ours = jax.grad(lambda y, b: (add_bias(y, b) * w).sum(), argnums=(0, 1))(y, bias)
+    plain = jax.grad(lambda y, b: ((y + b) * w).sum(), argnums=(0, 1))(y, bias)
+    np.testing.assert_allclose(ours[0], plain[0], rtol=1e-6)
+    np.testing.assert_allclose(ours[1], plain[1], rtol=1e-5)
+    # bf16 activations: the bias gradient comes back in the param's fp32, accumulated in fp32
+    g_b = jax.grad(lambda b: (add_bias(y.astype(jnp.bfloat16), b).astype(jnp.float32) * w).sum())(bias)
+    assert g_b.dtype == jnp.float32
+    np.testing.assert_allclose(g_b, plain[1], rtol=2e-2, atol=2e-2)
