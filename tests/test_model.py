@@ -120,3 +120,16 @@ def test_bias_gradient_is_the_sum_over_broadcast_axes_in_fp32():
     g_b = jax.grad(lambda b: (add_bias(y.astype(jnp.bfloat16), b).astype(jnp.float32) * w).sum())(bias)
     assert g_b.dtype == jnp.float32
     np.testing.assert_allclose(g_b, plain[1], rtol=2e-2, atol=2e-2)
+
+
+def test_save_dots_keeps_the_attention_output_and_recomputes_the_scores(capsys):
+    # A fused attention kernel is no dot: without attn_out saved, save_dots would run its forward again.
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, remat="save_dots", scan=False)
+    model, params = _init(cfg)
+    tokens = jnp.zeros((2, cfg.seq_len), jnp.int32)
+    jax.ad_checkpoint.print_saved_residuals(lambda p: model.apply({"params": p}, tokens).sum(), params)
+    saved = capsys.readouterr().out
+    assert saved.count("named 'attn_out'") == cfg.n_layers
+    assert f"[2,{cfg.n_heads},{cfg.seq_len},{cfg.seq_len}]" not in saved  # the L x L scores are recomputed

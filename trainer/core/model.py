@@ -43,7 +43,11 @@ LN_EPS = 1e-5  # GPT-2's layer_norm_epsilon
 # model.remat -> what the backward pass keeps of each block's forward (the rest is recomputed).
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,  # keep only the block's input
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep every projection's output
+    # keep every projection's output and the attention output: only norms, GELU and the attention scores
+    # are recomputed (without attn_out a fused attention kernel, not a dot, would run its forward again)
+    "save_dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names("attn_out")),
     "save_attention": jax.checkpoint_policies.save_only_these_names("qkv", "attn_out"),  # recompute MLP + norms
 }
 
