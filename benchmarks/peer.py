@@ -7,7 +7,7 @@ Each round runs ours 1 device (scanned layers, the default, and unrolled), nanod
 nanodo FSDP 8, ours data=8 (8 fake CPU devices), alternating which goes first, and records the 1-minute
 load average before and after each run: discard rounds where it moved (others took the CPU).
 
-    python -m benchmarks.peer --nanodo-src DIR --nanodo-python VENV/bin/python [--rounds 3]
+    python -m benchmarks.peer --nanodo-src DIR --nanodo-python VENV/bin/python [--rounds 3] [--settings ...]
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ ONE = ["mesh.cpu_devices=1", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]
 SETTINGS = {  # name -> (our overrides, nanodo's device count or None: ours only)
     "1dev": (ONE, 1),
     "1dev_unrolled": ([*ONE, "model.scan=false"], None),  # nanodo's structure: one compiled block per layer
+    # scanned, keeping projections and attention output only: on CPU, stacking the L x L attention
+    # residuals of every layer for the scan's backward costs more than recomputing them
+    "1dev_save_dots": ([*ONE, "model.remat=save_dots"], None),
     "fsdp8": (["mesh.cpu_devices=8", "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1"], 8),
     "data8": (["mesh.cpu_devices=8", "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"], None),
 }
@@ -65,10 +68,12 @@ def _timed(fn, *args) -> dict:
     return dict(out, loadavg_before=before, loadavg_after=os.getloadavg()[0], started=t)
 
 
-def measure(work: Path, *, rounds: int, steps: int, src: Path, python: str, peer: Path) -> dict:
+def measure(work: Path, *, rounds: int, steps: int, src: Path, python: str, peer: Path,
+            settings: list[str]) -> dict:
     runs: list[dict] = []
     for r in range(rounds):
-        for name, (mesh, peer_devices) in SETTINGS.items():
+        for name in settings:
+            mesh, peer_devices = SETTINGS[name]
             order = ["ours", "nanodo"] if r % 2 == 0 else ["nanodo", "ours"]
             for who in order:
                 if who == "nanodo" and peer_devices is None:
@@ -88,13 +93,15 @@ def summarize(runs: list[dict]) -> dict:
             vals = [x["tokens_per_s"] for x in runs if x["setting"] == name and x["who"] == who]
             if vals:
                 med[f"{who}_{name}"] = statistics.median(vals)
-    ratios = {
-        "ours_over_nanodo_1dev": med["ours_1dev"] / med["nanodo_1dev"],
-        "ours_unrolled_over_nanodo_1dev": med["ours_1dev_unrolled"] / med["nanodo_1dev"],
-        "ours_fsdp8_over_nanodo_fsdp8": med["ours_fsdp8"] / med["nanodo_fsdp8"],
-        "ours_data8_over_nanodo_fsdp8": med["ours_data8"] / med["nanodo_fsdp8"],
-        "ours_fsdp8_over_ours_data8": med["ours_fsdp8"] / med["ours_data8"],
+    pairs = {  # ratio name -> (numerator, denominator)
+        "ours_over_nanodo_1dev": ("ours_1dev", "nanodo_1dev"),
+        "ours_unrolled_over_nanodo_1dev": ("ours_1dev_unrolled", "nanodo_1dev"),
+        "ours_save_dots_over_nanodo_1dev": ("ours_1dev_save_dots", "nanodo_1dev"),
+        "ours_fsdp8_over_nanodo_fsdp8": ("ours_fsdp8", "nanodo_fsdp8"),
+        "ours_data8_over_nanodo_fsdp8": ("ours_data8", "nanodo_fsdp8"),
+        "ours_fsdp8_over_ours_data8": ("ours_fsdp8", "ours_data8"),
     }
+    ratios = {k: med[a] / med[b] for k, (a, b) in pairs.items() if a in med and b in med}
     return {"median_tokens_per_s": med, "ratios": ratios}
 
 
@@ -106,15 +113,21 @@ def render(result: dict) -> str:
         f"`{result['command']}` — {len(result['runs'])} runs, 1-min load average {min(loads):.2f} .. "
         f"{max(loads):.2f} on {os.cpu_count()} CPUs (per run in peer.json)", "",
         "| setting | ours tok/s | nanodo tok/s | ratio |", "|---|---|---|---|",
-        f"| 1 device, bf16 | {med['ours_1dev']:,.0f} | {med['nanodo_1dev']:,.0f} | "
-        f"{rat['ours_over_nanodo_1dev']:.2f} |",
-        f"| 1 device, bf16, ours unrolled (`model.scan=false`) | {med['ours_1dev_unrolled']:,.0f} | "
-        f"{med['nanodo_1dev']:,.0f} | {rat['ours_unrolled_over_nanodo_1dev']:.2f} |",
-        f"| 8 devices: ours fsdp=8 vs nanodo FSDP 8 | {med['ours_fsdp8']:,.0f} | {med['nanodo_fsdp8']:,.0f} | "
-        f"{rat['ours_fsdp8_over_nanodo_fsdp8']:.2f} |",
-        f"| 8 devices: ours data=8 vs nanodo FSDP 8 | {med['ours_data8']:,.0f} | {med['nanodo_fsdp8']:,.0f} | "
-        f"{rat['ours_data8_over_nanodo_fsdp8']:.2f} |",
-        f"| ours fsdp=8 / ours data=8 | | | {rat['ours_fsdp8_over_ours_data8']:.2f} |", "",
+    ]
+    rows = [  # label, ours key, nanodo key, ratio key
+        ("1 device, bf16", "ours_1dev", "nanodo_1dev", "ours_over_nanodo_1dev"),
+        ("1 device, bf16, ours unrolled (`model.scan=false`)", "ours_1dev_unrolled", "nanodo_1dev",
+         "ours_unrolled_over_nanodo_1dev"),
+        ("1 device, bf16, ours scanned with `model.remat=save_dots`", "ours_1dev_save_dots", "nanodo_1dev",
+         "ours_save_dots_over_nanodo_1dev"),
+        ("8 devices: ours fsdp=8 vs nanodo FSDP 8", "ours_fsdp8", "nanodo_fsdp8", "ours_fsdp8_over_nanodo_fsdp8"),
+        ("8 devices: ours data=8 vs nanodo FSDP 8", "ours_data8", "nanodo_fsdp8", "ours_data8_over_nanodo_fsdp8"),
+    ]
+    lines += [f"| {label} | {med[a]:,.0f} | {med[b]:,.0f} | {rat[r]:.2f} |" for label, a, b, r in rows if r in rat]
+    if "ours_fsdp8_over_ours_data8" in rat:
+        lines.append(f"| ours fsdp=8 / ours data=8 | | | {rat['ours_fsdp8_over_ours_data8']:.2f} |")
+    lines += [
+        "",
         "Medians over rounds of each run's median tokens/s of steps 6-35 (ours: events.jsonl; nanodo: the",
         "interval between its metric read-backs, the same definition). Method: benchmarks/peer.py.",
     ]
@@ -128,12 +141,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--peer-dir", type=Path, default=PEER, help="the shared peer harness (bench_nanodo.py, stubs/)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=35)
+    p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
+                   help="run only these settings (default: all)")
     p.add_argument("--work", type=Path, default=Path(f"/tmp/trainer-peer-{os.getpid()}"))
     p.add_argument("--out", type=Path, default=harness.ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     result = measure(args.work, rounds=args.rounds, steps=args.steps, src=args.nanodo_src,
-                     python=args.nanodo_python, peer=args.peer_dir)
+                     python=args.nanodo_python, peer=args.peer_dir, settings=args.settings)
     result["command"] = " ".join(["python -m benchmarks.peer", *argv])
     result.update(harness.provenance())
     args.out.mkdir(parents=True, exist_ok=True)
