@@ -1,6 +1,6 @@
-"""The GPT itself: causal, finite in bf16 and under every remat policy, logits shaped (B, L, V), bias gradients the plain sum; its param
-tree (names, shapes, logical axes) is the one model.py documents, scanned or unrolled, and both compute the
-same function."""
+"""The GPT itself: causal, finite in bf16 and under every remat policy, logits shaped (B, L, V), bias
+gradients the plain sum, save_dots keeping the attention output; its param tree (names, shapes, logical
+axes) is the one model.py documents, scanned or unrolled, and both compute the same function."""
 
 from __future__ import annotations
 
