@@ -37,6 +37,18 @@ SETTINGS = {  # name -> (our overrides, nanodo's device count or None: ours only
     "data8": (["mesh.cpu_devices=8", "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"], None),
 }
 
+# ratio -> (numerator, denominator, its row in peer.md), in table order
+RATIOS = {
+    "ours_over_nanodo_1dev": ("ours_1dev", "nanodo_1dev", "1 device, bf16"),
+    "ours_unrolled_over_nanodo_1dev": ("ours_1dev_unrolled", "nanodo_1dev",
+                                       "1 device, bf16, ours unrolled (`model.scan=false`)"),
+    "ours_save_dots_over_nanodo_1dev": ("ours_1dev_save_dots", "nanodo_1dev",
+                                        "1 device, bf16, ours scanned with `model.remat=save_dots`"),
+    "ours_fsdp8_over_nanodo_fsdp8": ("ours_fsdp8", "nanodo_fsdp8", "8 devices: ours fsdp=8 vs nanodo FSDP 8"),
+    "ours_data8_over_nanodo_fsdp8": ("ours_data8", "nanodo_fsdp8", "8 devices: ours data=8 vs nanodo FSDP 8"),
+    "ours_fsdp8_over_ours_data8": ("ours_fsdp8", "ours_data8", "ours fsdp=8 / ours data=8"),
+}
+
 
 def _ours(work: Path, name: str, mesh: list[str], steps: int) -> dict:
     run_dir = work / f"ours-{name}"
@@ -93,15 +105,7 @@ def summarize(runs: list[dict]) -> dict:
             vals = [x["tokens_per_s"] for x in runs if x["setting"] == name and x["who"] == who]
             if vals:
                 med[f"{who}_{name}"] = statistics.median(vals)
-    pairs = {  # ratio name -> (numerator, denominator)
-        "ours_over_nanodo_1dev": ("ours_1dev", "nanodo_1dev"),
-        "ours_unrolled_over_nanodo_1dev": ("ours_1dev_unrolled", "nanodo_1dev"),
-        "ours_save_dots_over_nanodo_1dev": ("ours_1dev_save_dots", "nanodo_1dev"),
-        "ours_fsdp8_over_nanodo_fsdp8": ("ours_fsdp8", "nanodo_fsdp8"),
-        "ours_data8_over_nanodo_fsdp8": ("ours_data8", "nanodo_fsdp8"),
-        "ours_fsdp8_over_ours_data8": ("ours_fsdp8", "ours_data8"),
-    }
-    ratios = {k: med[a] / med[b] for k, (a, b) in pairs.items() if a in med and b in med}
+    ratios = {k: med[a] / med[b] for k, (a, b, _) in RATIOS.items() if a in med and b in med}
     return {"median_tokens_per_s": med, "ratios": ratios}
 
 
@@ -114,18 +118,10 @@ def render(result: dict) -> str:
         f"{max(loads):.2f} on {os.cpu_count()} CPUs (per run in peer.json)", "",
         "| setting | ours tok/s | nanodo tok/s | ratio |", "|---|---|---|---|",
     ]
-    rows = [  # label, ours key, nanodo key, ratio key
-        ("1 device, bf16", "ours_1dev", "nanodo_1dev", "ours_over_nanodo_1dev"),
-        ("1 device, bf16, ours unrolled (`model.scan=false`)", "ours_1dev_unrolled", "nanodo_1dev",
-         "ours_unrolled_over_nanodo_1dev"),
-        ("1 device, bf16, ours scanned with `model.remat=save_dots`", "ours_1dev_save_dots", "nanodo_1dev",
-         "ours_save_dots_over_nanodo_1dev"),
-        ("8 devices: ours fsdp=8 vs nanodo FSDP 8", "ours_fsdp8", "nanodo_fsdp8", "ours_fsdp8_over_nanodo_fsdp8"),
-        ("8 devices: ours data=8 vs nanodo FSDP 8", "ours_data8", "nanodo_fsdp8", "ours_data8_over_nanodo_fsdp8"),
-    ]
-    lines += [f"| {label} | {med[a]:,.0f} | {med[b]:,.0f} | {rat[r]:.2f} |" for label, a, b, r in rows if r in rat]
-    if "ours_fsdp8_over_ours_data8" in rat:
-        lines.append(f"| ours fsdp=8 / ours data=8 | | | {rat['ours_fsdp8_over_ours_data8']:.2f} |")
+    for r, (a, b, label) in RATIOS.items():
+        if r in rat:  # tok/s columns for the rows against nanodo; ours vs ours shows the ratio alone
+            tps = f" {med[a]:,.0f} | {med[b]:,.0f} " if b.startswith("nanodo") else " | "
+            lines.append(f"| {label} |{tps}| {rat[r]:.2f} |")
     lines += [
         "",
         "Medians over rounds of each run's median tokens/s of steps 6-35 (ours: events.jsonl; nanodo: the",

@@ -4,6 +4,8 @@ axes) is the one model.py documents, scanned or unrolled, and both compute the s
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -12,7 +14,7 @@ import optax
 import pytest
 
 from trainer.config import ModelConfig
-from trainer.core.model import GPT, REMAT_POLICIES, flops_per_token
+from trainer.core.model import GPT, REMAT_POLICIES, add_bias, flops_per_token
 
 CFG = ModelConfig(vocab_size=384, seq_len=32, d_model=64, n_layers=2, n_heads=4)
 
@@ -107,8 +109,6 @@ def test_scanned_and_unrolled_layers_compute_the_same_function():
 
 def test_bias_gradient_is_the_sum_over_broadcast_axes_in_fp32():
     # add_bias replaces the add's reduce with a matmul against ones: its gradient must stay the plain sum.
-    from trainer.core.model import add_bias
-
     y = jax.random.normal(jax.random.key(3), (3, 5, 2, 4))
     bias = jax.random.normal(jax.random.key(4), (2, 4))
     w = jax.random.normal(jax.random.key(5), y.shape)  # a non-uniform cotangent
@@ -124,8 +124,6 @@ def test_bias_gradient_is_the_sum_over_broadcast_axes_in_fp32():
 
 def test_save_dots_keeps_the_attention_output_and_recomputes_the_scores(capsys):
     # A fused attention kernel is no dot: without attn_out saved, save_dots would run its forward again.
-    import dataclasses
-
     cfg = dataclasses.replace(CFG, remat="save_dots", scan=False)
     model, params = _init(cfg)
     tokens = jnp.zeros((2, cfg.seq_len), jnp.int32)
