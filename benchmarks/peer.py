@@ -33,6 +33,9 @@ SETTINGS = {  # name -> (our overrides, nanodo's device count or None: ours only
     # scanned, keeping projections and attention output only: on CPU, stacking the L x L attention
     # residuals of every layer for the scan's backward costs more than recomputing them
     "1dev_save_dots": ([*ONE, "model.remat=save_dots"], None),
+    # nanodo's architecture too: no biases in projections or norms (ours keeps GPT-2's by default)
+    "1dev_nobias": ([*ONE, "model.bias=false"], None),
+    "1dev_unrolled_nobias": ([*ONE, "model.scan=false", "model.bias=false"], None),
     "fsdp8": (["mesh.cpu_devices=8", "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1"], 8),
     "data8": (["mesh.cpu_devices=8", "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"], None),
 }
@@ -44,6 +47,10 @@ RATIOS = {
                                        "1 device, bf16, ours unrolled (`model.scan=false`)"),
     "ours_save_dots_over_nanodo_1dev": ("ours_1dev_save_dots", "nanodo_1dev",
                                         "1 device, bf16, ours scanned with `model.remat=save_dots`"),
+    "ours_nobias_over_nanodo_1dev": ("ours_1dev_nobias", "nanodo_1dev",
+                                     "1 device, bf16, ours without biases (`model.bias=false`), as nanodo"),
+    "ours_unrolled_nobias_over_nanodo_1dev": ("ours_1dev_unrolled_nobias", "nanodo_1dev",
+                                              "1 device, bf16, ours unrolled and without biases, as nanodo"),
     "ours_fsdp8_over_nanodo_fsdp8": ("ours_fsdp8", "nanodo_fsdp8", "8 devices: ours fsdp=8 vs nanodo FSDP 8"),
     "ours_data8_over_nanodo_fsdp8": ("ours_data8", "nanodo_fsdp8", "8 devices: ours data=8 vs nanodo FSDP 8"),
     "ours_fsdp8_over_ours_data8": ("ours_fsdp8", "ours_data8", "ours fsdp=8 / ours data=8"),

@@ -192,6 +192,36 @@ def test_independent_gpt2_forward_matches_the_trainer_and_greedy_sample(exported
     assert got["new_ids"] == want and got["text"] == bytes(want).decode() and len(set(want)) > 1
 
 
+def test_a_bias_free_model_exports_as_gpt2_with_zero_biases():
+    """model.bias: false (no biases, as in nanodo and OLMo) exports GPT-2's full tensor set, its biases zero,
+    and the independent GPT-2 computes the trainer's logits from it. No training run: random params."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from trainer.config import ModelConfig
+    from trainer.core.export import gpt2_config, gpt2_tensors
+    from trainer.core.model import GPT
+
+    cfg = ModelConfig(vocab_size=384, seq_len=32, d_model=64, n_layers=2, n_heads=4, bias=False)
+    model = GPT(cfg)
+    params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32))["params"])
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))  # norm scales off 1 too: every param matters
+    params = tree.unflatten([p + 0.05 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)])
+    w = gpt2_tensors(params, cfg)
+    per_layer = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
+    assert set(w) == {"transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight",
+                      "transformer.ln_f.bias"} | {
+        f"transformer.h.{i}.{m}.{p}" for i in range(2) for m in per_layer for p in ("weight", "bias")}
+    assert all(not w[k].any() for k in w if k.endswith(".bias"))
+    ids = list(TEXT[:32])
+    ours = np.asarray(model.apply({"params": params}, np.asarray([ids], np.int32))[0])
+    diff = float(np.abs(ours - gpt2_logits(gpt2_config(cfg, 256), w, ids)).max())
+    print(f"bias-free export: logits max abs diff vs independent numpy GPT-2 {diff:.2e}")
+    assert diff < 1e-4
+
+
 def test_a_prepared_tokenizer_is_exported_and_sample_uses_it(bpe_export):
     from tokenizers import Tokenizer
 

@@ -1,6 +1,7 @@
 """The GPT itself: causal, finite in bf16 and under every remat policy, logits shaped (B, L, V), bias
 gradients the plain sum, save_dots keeping the attention output; its param tree (names, shapes, logical
-axes) is the one model.py documents, scanned or unrolled, and both compute the same function."""
+axes) is the one model.py documents, with or without biases, scanned or unrolled, and both compute the
+same function."""
 
 from __future__ import annotations
 
@@ -86,12 +87,15 @@ def _flat(tree) -> dict:
     return {"/".join(k.key for k in path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def test_param_tree_names_shapes_and_logical_axes_are_the_documented_ones():
-    boxed = jax.eval_shape(lambda: GPT(CFG).init(jax.random.key(0), jnp.zeros((1, L), jnp.int32))["params"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_param_tree_names_shapes_and_logical_axes_are_the_documented_ones(bias):
+    cfg = dataclasses.replace(CFG, bias=bias)
+    boxed = jax.eval_shape(lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, L), jnp.int32))["params"])
     shapes = {k: v.shape for k, v in _flat(nn.meta.unbox(boxed)).items()}
     specs = {k: tuple(v) for k, v in _flat(nn.get_partition_spec(boxed)).items()}
-    assert shapes == {k: s for k, (s, _) in TREE.items()}
-    assert specs == {k: a for k, (_, a) in TREE.items()}
+    tree = {k: v for k, v in TREE.items() if bias or not k.endswith("/bias")}  # model.bias: false has none
+    assert shapes == {k: s for k, (s, _) in tree.items()}
+    assert specs == {k: a for k, (_, a) in tree.items()}
 
 
 def test_scanned_and_unrolled_layers_compute_the_same_function():

@@ -50,6 +50,7 @@ class ModelConfig:
     remat: str = "none"  # what each block keeps for the backward pass: none | full | save_dots | save_attention
     scan: bool = True  # scan over layers (compile time flat in depth); false unrolls them
     tie_embeddings: bool = True
+    bias: bool = True  # biases in the projections and LayerNorms (GPT-2); false drops them all (nanodo, OLMo)
 
 
 @dataclass

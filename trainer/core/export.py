@@ -33,24 +33,29 @@ def _layer(p: dict, cfg: ModelConfig, i: int) -> dict:
     return jax.tree.map(lambda a: a[i], p["blocks"]) if cfg.scan else p[f"block_{i}"]
 
 
+def _bias(module: dict, size: int) -> np.ndarray:
+    """A module's bias as a vector; zeros (GPT-2's equivalent of none) for a model.bias: false model."""
+    return module["bias"].reshape(size) if "bias" in module else np.zeros(size, np.float32)
+
+
 def gpt2_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Our param tree (trainer.core.model's docstring) under GPT-2's names and layouts, fp32."""
     p = jax.device_get(params)
-    D = cfg.d_model
+    D, F = cfg.d_model, cfg.d_ff or 4 * cfg.d_model
     out = {"transformer.wte.weight": p["wte"], "transformer.wpe.weight": p["wpe"],
-           "transformer.ln_f.weight": p["ln_f"]["scale"], "transformer.ln_f.bias": p["ln_f"]["bias"]}
+           "transformer.ln_f.weight": p["ln_f"]["scale"], "transformer.ln_f.bias": _bias(p["ln_f"], D)}
     for i in range(cfg.n_layers):
         b, h = _layer(p, cfg, i), f"transformer.h.{i}."
         out.update({
-            h + "ln_1.weight": b["ln_1"]["scale"], h + "ln_1.bias": b["ln_1"]["bias"],
+            h + "ln_1.weight": b["ln_1"]["scale"], h + "ln_1.bias": _bias(b["ln_1"], D),
             # [D, T, H, K] row-major is [D, (q | k | v), each split into heads]: c_attn's [D, 3D] columns.
             h + "attn.c_attn.weight": b["qkv"]["kernel"].reshape(D, 3 * D),
-            h + "attn.c_attn.bias": b["qkv"]["bias"].reshape(3 * D),
+            h + "attn.c_attn.bias": _bias(b["qkv"], 3 * D),
             h + "attn.c_proj.weight": b["proj"]["kernel"].reshape(D, D),  # [H, K, D] -> [H*K, D]
-            h + "attn.c_proj.bias": b["proj"]["bias"],
-            h + "ln_2.weight": b["ln_2"]["scale"], h + "ln_2.bias": b["ln_2"]["bias"],
-            h + "mlp.c_fc.weight": b["fc"]["kernel"], h + "mlp.c_fc.bias": b["fc"]["bias"],
-            h + "mlp.c_proj.weight": b["out"]["kernel"], h + "mlp.c_proj.bias": b["out"]["bias"],
+            h + "attn.c_proj.bias": _bias(b["proj"], D),
+            h + "ln_2.weight": b["ln_2"]["scale"], h + "ln_2.bias": _bias(b["ln_2"], D),
+            h + "mlp.c_fc.weight": b["fc"]["kernel"], h + "mlp.c_fc.bias": _bias(b["fc"], F),
+            h + "mlp.c_proj.weight": b["out"]["kernel"], h + "mlp.c_proj.bias": _bias(b["out"], D),
         })
     if not cfg.tie_embeddings:  # tied: GPT2LMHeadModel takes its head from wte (no lm_head tensor is saved)
         out["lm_head.weight"] = p["lm_head"].T

@@ -22,6 +22,9 @@ with `model.scan: false` the same leaves sit under `block_0` ... `block_{N-1}` w
     ln_f/scale|bias         [D]           ("norm",)
     lm_head                 [D, V]        ("embed", "vocab")      only with tie_embeddings: false
 
+With `model.bias: false` there is no `bias` leaf at all (as in nanodo and OLMo): one add and one gradient
+reduction fewer per projection and norm; the export writes GPT-2's biases as zeros, the same function.
+
 GPT-2's c_attn weight [D, 3D] is qkv/kernel reshaped to [D, T*H*K] (row-major), its bias likewise;
 c_proj's weight [D, D] is proj/kernel reshaped to [H*K, D]. LayerNorm epsilon: LN_EPS.
 """
@@ -76,7 +79,7 @@ def _attention(cfg: ModelConfig, q_BLHK, k_BLHK, v_BLHK):
 
 
 def _layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
-    return nn.LayerNorm(epsilon=LN_EPS, dtype=_dtype(cfg), name=name,
+    return nn.LayerNorm(epsilon=LN_EPS, dtype=_dtype(cfg), name=name, use_bias=cfg.bias,
                         scale_init=P(nn.initializers.ones, ("norm",)), bias_init=P(nn.initializers.zeros, ("norm",)))
 
 
@@ -105,7 +108,7 @@ add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
 
 class Linear(nn.Module):
     """y = einsum(x, kernel) + bias with explicit params: the kernel's leading `n_in` axes are contracted,
-    the bias has the kernel's remaining (output) axes. Multiplies in the compute dtype."""
+    the bias (if use_bias) has the kernel's remaining (output) axes. Multiplies in the compute dtype."""
 
     equation: str  # e.g. "BLD,DTHK->BLTHK"
     shape: tuple[int, ...]
@@ -113,14 +116,18 @@ class Linear(nn.Module):
     n_in: int
     std: float
     dtype: jnp.dtype
+    use_bias: bool = True
 
     @nn.compact
     def __call__(self, x):
         kernel = self.param("kernel", P(nn.initializers.normal(self.std), self.axes), self.shape)
-        bias = self.param("bias", P(nn.initializers.zeros, self._bias_axes()), self.shape[self.n_in:])
         # Cast while still sharded like the param: FSDP then gathers the compute dtype (half the bytes in bf16).
         kernel = nn.with_logical_constraint(kernel.astype(self.dtype), self.axes)
-        return add_bias(jnp.einsum(self.equation, x.astype(self.dtype), kernel), bias)
+        y = jnp.einsum(self.equation, x.astype(self.dtype), kernel)
+        if not self.use_bias:
+            return y
+        bias = self.param("bias", P(nn.initializers.zeros, self._bias_axes()), self.shape[self.n_in:])
+        return add_bias(y, bias)
 
     def _bias_axes(self):
         out = self.axes[self.n_in:]
@@ -140,7 +147,7 @@ class Block(nn.Module):
         K, F = D // H, cfg.d_ff or 4 * D
         std_out = 0.02 / (2 * cfg.n_layers) ** 0.5  # GPT-2's scaling of the residual projections
         lin = lambda name, eq, shape, axes, n_in, std=0.02: Linear(  # noqa: E731
-            eq, shape, axes, n_in, std, dt, name=name)
+            eq, shape, axes, n_in, std, dt, cfg.bias, name=name)
 
         h_BLD = _layer_norm(cfg, "ln_1")(x_BLD)
         qkv_BLTHK = lin("qkv", "BLD,DTHK->BLTHK", (D, 3, H, K), ("embed", None, "heads", "head_dim"), 1)(h_BLD)
