@@ -3,7 +3,8 @@ dims, driven by ../shared/peer/nanodo/bench_nanodo.py in its own venv, interleav
 d_model 256, 4 layers, 4 heads, d_ff 1024, seq 256, global batch 16, bf16 compute, fp32 params (our
 vocab 384 for the byte tokenizer vs nanodo's 256: ~1% more compute for us). Median tokens/s of steps 6-35.
 
-Each round runs ours 1 device (scanned layers, the default, and unrolled), nanodo 1 device, ours fsdp=8,
+Each round runs ours 1 device (scanned layers, the default; unrolled; save_dots; without biases, as
+nanodo has none; unrolled without biases), nanodo 1 device, ours fsdp=8,
 nanodo FSDP 8, ours data=8 (8 fake CPU devices), alternating which goes first, and records the 1-minute
 load average before and after each run: discard rounds where it moved (others took the CPU).
 
