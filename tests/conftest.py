@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import atexit
+import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -77,16 +79,30 @@ def summary(run_dir: Path) -> dict:
     return json.loads((Path(run_dir) / "summary.json").read_text())
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """Directory `name`, made by build(dir) once per test session and shared by the pytest-xdist workers:
+    the first to ask builds it under a file lock, the others wait for it. For reference runs, which are
+    deterministic (any worker's is bit for bit the one another would build): each costs a run, not two."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "built-once"
+    shared.mkdir(exist_ok=True)
+    d, done = shared / name, shared / f"{name}.done"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            shutil.rmtree(d, ignore_errors=True)  # a build that failed in another worker
+            d.mkdir()
+            build(d)
+            done.touch()
+    return d
+
+
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory):
     """One uninterrupted micro run (unsupervised) that the fault tests compare against, by mesh."""
-    cache: dict[tuple, Path] = {}
 
     def get(*overrides: str) -> Path:
-        if overrides not in cache:
-            d = tmp_path_factory.mktemp("reference")
-            run_trainer(d, *overrides, worker=True)
-            cache[overrides] = d
-        return cache[overrides]
+        key = hashlib.sha256("\n".join(overrides).encode()).hexdigest()[:16]
+        return built_once(tmp_path_factory, f"reference-{key}", lambda d: run_trainer(d, *overrides, worker=True))
 
     return get

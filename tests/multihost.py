@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import ROOT, run_trainer
+from conftest import ROOT, built_once, run_trainer
 
 # A corpus of ~140 windows of 65 tokens: 30 steps x 16 sequences cross three epoch boundaries, so the
 # audit proves exactly-once per epoch, not just "no repeats in 2% of an epoch".
@@ -19,9 +19,6 @@ WORDS = "the a data step shard host mesh save restore loss batch epoch window to
 # Same global batch and global device count (8) whatever the process count.
 TWO = ["launch.processes=2", "mesh.cpu_devices=4"]
 ONE = ["launch.processes=1", "mesh.cpu_devices=8"]
-
-_reference: dict[str, Path] = {}
-
 
 def small_corpus(directory: Path) -> Path:
     path = Path(directory) / "corpus.txt"
@@ -37,13 +34,13 @@ def group_overrides(corpus: Path, *more: str) -> list[str]:
             "supervisor.backoff_s=0.2", *more]
 
 
-def reference(root: Path) -> tuple[Path, Path]:
-    """(run dir, corpus) of one uninterrupted, supervised 2-process run; made once per session."""
-    if "run" not in _reference:
-        corpus = small_corpus(root / "corpus")
-        run_trainer(root / "reference", *group_overrides(corpus, *TWO))
-        _reference.update(run=root / "reference", corpus=corpus)
-    return _reference["run"], _reference["corpus"]
+def reference(tmp_path_factory) -> tuple[Path, Path]:
+    """(run dir, corpus) of one uninterrupted, supervised 2-process run; made once per session (conftest.built_once)."""
+    def build(root: Path) -> None:
+        run_trainer(root / "reference", *group_overrides(small_corpus(root / "corpus"), *TWO))
+
+    root = built_once(tmp_path_factory, "multihost-reference", build)
+    return root / "reference", root / "corpus" / "corpus.txt"
 
 
 def heartbeat(run: Path, process: int) -> dict | None:

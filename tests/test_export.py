@@ -111,7 +111,7 @@ def newest(run: Path) -> int:
 def group(tmp_path_factory) -> tuple[Path, Path]:
     """(run, corpus): the session's uninterrupted 2-process x 4-device micro run (fp32, 30 steps, a corpus
     of a few words: its greedy continuations are not one repeated byte)."""
-    return group_reference(tmp_path_factory.mktemp("multihost"))
+    return group_reference(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -303,7 +303,7 @@ def test_a_full_disk_stops_the_run_clearly_and_the_same_command_resumes(tmpfs, r
 def test_two_processes_agree_on_a_bad_shard_and_on_the_newest_local_step_they_all_hold(tmp_path_factory):
     from multihost import TWO, group_overrides, reference
 
-    ref, corpus = reference(tmp_path_factory.mktemp("multihost"))
+    ref, corpus = reference(tmp_path_factory)
     run, local = tmp_path_factory.mktemp("agree") / "run", tmp_path_factory.mktemp("local")
     over = group_overrides(corpus, *TWO, f"checkpoint.local_dir={local}", "checkpoint.local_every_steps=4")
     run_trainer(run, *over, "train.stop_at_step=20")  # durable 10, 20; local 8, 12, 16 on each process (keep 3)

@@ -25,7 +25,7 @@ from trainer.supervise import exit_codes, launcher, membership
 
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory) -> tuple[Path, Path]:
-    return reference(tmp_path_factory.mktemp("multihost"))
+    return reference(tmp_path_factory)
 
 
 # --- the real thing: 2 processes ---------------------------------------------------------------------

@@ -46,7 +46,7 @@ def _require_slurm() -> None:
 
 def test_sbatch_job_survives_a_killed_task_and_a_preemption(tmp_path, tmp_path_factory):
     _require_slurm()
-    ref_run, corpus = reference(tmp_path_factory.mktemp("multihost"))
+    ref_run, corpus = reference(tmp_path_factory)
     run, out = tmp_path / "run", tmp_path / "job.out"
     # Two tasks on the one node stand for two hosts; a real job has one task per node.
     # Steps from 16 on are slowed (process 0 sleeps; the numbers do not change) so that the preemption
