@@ -17,12 +17,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
-# One JAX compilation cache per pytest process (each pytest-xdist worker has its own), empty at its start
-# as on a fresh CI machine (not the user's ~/.cache): every later run of a micro config loads its compiled
-# step instead of compiling it again. A hit is the executable a miss would build, so bitwise comparisons
-# across runs hold (test_supervisor.py checks a restart from the cache against an uninterrupted run).
-COMPILE_CACHE = tempfile.mkdtemp(prefix="trainer-tests-jax-cache-")
-atexit.register(shutil.rmtree, COMPILE_CACHE, True)
+# One JAX compilation cache per test session, empty at its start as on a fresh CI machine (not the user's
+# ~/.cache): every later run of a micro config loads its compiled step instead of compiling it again. The
+# first process to load this file makes it (under pytest-xdist, the controller, before it starts the
+# workers) and the workers inherit it through the environment, so each config compiles once per session,
+# not once per worker; trainer processes share it already. A hit is the executable a miss would build, so
+# bitwise comparisons across runs hold (test_supervisor.py checks a restart from the cache against an
+# uninterrupted run).
+COMPILE_CACHE = os.environ.get("TRAINER_TESTS_COMPILE_CACHE", "")
+if not COMPILE_CACHE:
+    COMPILE_CACHE = os.environ["TRAINER_TESTS_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="trainer-tests-jax-cache-")
+    atexit.register(shutil.rmtree, COMPILE_CACHE, True)
 
 # The tiny config shrunk further so a real run of a few dozen steps takes seconds on 2 cores. No end-of-run
 # report (matplotlib, ~2 s a run): the tests of the report and of its being written turn it back on.
