@@ -28,6 +28,13 @@ pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -
 # --- an independent GPT-2 (Radford et al. 2019, as Hugging Face's GPT2LMHeadModel computes it) ----------
 
 
+def gpt2_names(n_layer: int) -> set[str]:
+    """Every tensor name of a tied GPT2LMHeadModel's safetensors (lm_head is wte)."""
+    per_layer = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
+    return {"transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight", "transformer.ln_f.bias"} | {
+        f"transformer.h.{i}.{m}.{p}" for i in range(n_layer) for m in per_layer for p in ("weight", "bias")}
+
+
 def gpt2_logits(cfg: dict, w: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
     """Logits [T, V] for token ids [T], in float64, from the exported files alone."""
     assert cfg["model_type"] == "gpt2" and cfg["activation_function"] == "gelu_new"
@@ -170,10 +177,7 @@ def test_independent_gpt2_forward_matches_the_trainer_and_greedy_sample(exported
     cfg, w = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
     assert (cfg["n_embd"], cfg["n_layer"], cfg["n_head"], cfg["n_positions"], cfg["vocab_size"]) == (64, 2, 4, 64, 384)
     assert cfg["layer_norm_epsilon"] == LN_EPS and cfg["eos_token_id"] == 256 and cfg["tie_word_embeddings"]
-    per_layer = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
-    assert set(w) == {f"transformer.{n}.{p}" for n in ("wte", "wpe") for p in ("weight",)} | {
-        f"transformer.ln_f.{p}" for p in ("weight", "bias")} | {
-        f"transformer.h.{i}.{m}.{p}" for i in range(2) for m in per_layer for p in ("weight", "bias")}
+    assert set(w) == gpt2_names(n_layer=2)
     assert w["transformer.h.0.attn.c_attn.weight"].shape == (64, 192) and w["transformer.wte.weight"].shape == (384, 64)
     ids = list(TEXT[:64])
     ours, theirs = trainer_logits(run, ids), gpt2_logits(cfg, w, ids)
@@ -210,10 +214,7 @@ def test_a_bias_free_model_exports_as_gpt2_with_zero_biases():
     keys = jax.random.split(jax.random.key(1), len(leaves))  # norm scales off 1 too: every param matters
     params = tree.unflatten([p + 0.05 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)])
     w = gpt2_tensors(params, cfg)
-    per_layer = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
-    assert set(w) == {"transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight",
-                      "transformer.ln_f.bias"} | {
-        f"transformer.h.{i}.{m}.{p}" for i in range(2) for m in per_layer for p in ("weight", "bias")}
+    assert set(w) == gpt2_names(n_layer=2)
     assert all(not w[k].any() for k in w if k.endswith(".bias"))
     ids = list(TEXT[:32])
     ours = np.asarray(model.apply({"params": params}, np.asarray([ids], np.int32))[0])
