@@ -110,13 +110,14 @@ def _local_handlers(mp: ocp.options.MultiprocessingOptions) -> dict:
             "meta": ocp.JsonCheckpointHandler(multiprocessing_options=mp)}
 
 
-def _no_replica_parallel_writes() -> None:
-    """Durable saves write each replicated array from its first replica, as Orbax itself does on GPU
-    (jax_array_handlers._get_default_use_replica_parallel: off when JAX_PLATFORMS names gpu or cuda, on
-    otherwise). Fixed here rather than left to the environment, so that a GPU run started without
-    JAX_PLATFORMS saves the same way, and CPU runs (the tests) take the path GPU runs take. On CPU the
-    replica-parallel split bought nothing (every replica is the same host memory) and cost a compiled slice
-    per array shape at a process's first save: ~1 s of every restart's first checkpoint, measured."""
+def _single_process_writes() -> None:
+    """One process: durable saves write each replicated array from its first replica, as Orbax itself does on
+    GPU (jax_array_handlers._get_default_use_replica_parallel: off when JAX_PLATFORMS names gpu or cuda).
+    Replica-parallel writes spread a replicated array's bytes over the processes holding it; within one
+    process there is nothing to spread, and on CPU (where Orbax leaves it on) the split only added a
+    compiled slice per array shape to the process's first save: ~1 s of every restart, measured. Several
+    processes keep Orbax's default (on CPU, so in the multi-process tests, each writes its slice of the
+    replicated arrays; on GPU the first replica writes them)."""
     from orbax.checkpoint._src.metadata import array_metadata_store
 
     ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
@@ -169,8 +170,8 @@ class Checkpointer:
             **extra,
         )
         items = dict(item_names=ITEMS)
-        if not local:
-            _no_replica_parallel_writes()
+        if not local and jax.process_count() == 1:
+            _single_process_writes()
         if local:
             items = dict(item_handlers=_local_handlers(extra["multiprocessing_options"]))
         self.manager = ocp.CheckpointManager(self.directory, options=options, **items)
