@@ -78,11 +78,12 @@ def _attention(cfg: ModelConfig, q_BLHK, k_BLHK, v_BLHK):
     return fn(q_BLHK, k_BLHK, v_BLHK)
 
 
-# GPT-2's tanh-GELU, its backward recomputing it from its input. Differentiated plainly it leaves five [B, L, F]
-# intermediates per layer for the backward pass; scanned layers must stack each of them in an [N, B, L, F]
-# buffer (unrolled, XLA fuses them away by itself). Recomputing costs a few elementwise ops in the backward.
-# Measured at the peer dims on 1 CPU device: scanned step 1.08x as fast and 852 -> 596 MB of temporaries,
-# unrolled 1.03x (benchmarks/results/peer.md).
+# GPT-2's tanh-GELU, its backward recomputing it from its input. Differentiated plainly it keeps four [B, L, F]
+# intermediates per layer besides its input and output for the backward pass; scanned layers must stack each
+# in an [N, B, L, F] buffer (the compiled step's forward loop: 6 such stacks before, 2 after), and unrolled ones
+# keep some too. Recomputing costs a few elementwise ops in the backward.
+# At the peer dims on 1 CPU device: temporaries 852 -> 596 MB scanned (663 -> 567 MB unrolled), the scanned
+# step 1.08x as fast (benchmarks/results/peer.md). The same function: trained params bitwise unchanged on CPU.
 gelu = jax.checkpoint(functools.partial(nn.gelu, approximate=True), policy=jax.checkpoint_policies.nothing_saveable)
 
 
