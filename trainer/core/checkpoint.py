@@ -170,10 +170,10 @@ class Checkpointer:
             **extra,
         )
         items = dict(item_names=ITEMS)
-        if not local and jax.process_count() == 1:
-            _single_process_writes()
         if local:
             items = dict(item_handlers=_local_handlers(extra["multiprocessing_options"]))
+        elif jax.process_count() == 1:
+            _single_process_writes()
         self.manager = ocp.CheckpointManager(self.directory, options=options, **items)
 
     def _pins(self, steps: list[int]) -> set[int]:
