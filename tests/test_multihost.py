@@ -305,12 +305,18 @@ def started_twice(tmp_path_factory) -> tuple[Path, str, float, float]:
 @pytest.mark.slow
 def test_a_worker_failing_at_start_up_is_torn_down_and_restarted_in_seconds(started_twice):
     """Process 0 raises while starting (its peer then waits for it in a collective): it must exit at once,
-    not hang in jax's distributed shutdown, and the launcher must kill the peer within a poll."""
+    not hang in jax's distributed shutdown, and its peer must be gone within a poll. Process 0 hosts the
+    jax coordinator, so two endings of process 1 race, both fine: the launcher's SIGKILL, or jax's own
+    client aborting the process (SIGABRT) once the coordinator's socket closes, when that lands before
+    the launcher's next poll (seen in CI on a loaded 2-core machine). The launcher's kill itself is
+    pinned by test_a_config_exit_of_one_process_takes_the_group_down_at_once, without jax."""
     run, stderr, fired, _ = started_twice
     evs = events(run)
     exit1 = next(e for e in evs if e["event"] == "worker_exit")
     start2 = [e for e in evs if e["event"] == "worker_start"][1]
-    assert exit1["exit_code"] == 1 and exit1["exits"][0] == [0, 1] and exit1["torn_down"] == [1], exit1
+    assert exit1["exit_code"] == 1 and exit1["exits"][0] == [0, 1], exit1  # process 0's fault is the cause
+    assert exit1["exits"][1:] in ([[1, -signal.SIGKILL]], [[1, -signal.SIGABRT]]), exit1
+    assert exit1["torn_down"] in ([1], []) and (exit1["torn_down"] or exit1["exits"][1][1] == -signal.SIGABRT), exit1
     teardown_s, restart_s = exit1["time"] - fired, start2["time"] - fired
     assert teardown_s < 5 and restart_s < 6, (teardown_s, restart_s)
     assert "0: trainer.supervise.faults.InjectedStartupError: injected fault" in stderr
