@@ -15,7 +15,8 @@ import optax
 import pytest
 
 from trainer.config import ModelConfig
-from trainer.core.model import GPT, REMAT_POLICIES, add_bias, flops_per_token
+from trainer.core.layers import add_bias
+from trainer.core.model import GPT, REMAT_POLICIES, flops_per_token
 
 CFG = ModelConfig(vocab_size=384, seq_len=32, d_model=64, n_layers=2, n_heads=4)
 

@@ -32,6 +32,7 @@ c_proj's weight [D, D] is proj/kernel reshaped to [H*K, D]. LayerNorm epsilon: L
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -39,6 +40,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from trainer.config import ModelConfig
+from trainer.core.layers import add_bias, causal_attention, layer_norm
 
 P = nn.with_logical_partitioning
 LN_EPS = 1e-5  # GPT-2's layer_norm_epsilon
@@ -69,55 +71,45 @@ def attention_impl(cfg: ModelConfig, backend: str | None = None) -> str:
 
 def _attention(cfg: ModelConfig, q_BLHK, k_BLHK, v_BLHK):
     impl = attention_impl(cfg)
-    fn = functools.partial(jax.nn.dot_product_attention, is_causal=True,
-                           implementation="xla" if impl == "xla_remat" else impl)
+    if impl == "cudnn":
+        return jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, is_causal=True, implementation="cudnn")
     if impl == "xla_remat":
         # Recompute the L x L scores in the backward pass instead of keeping them: the memory profile of a
         # fused (flash) kernel without the kernel. `inspect` sizes cuDNN runs on CPU with it.
-        fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
-    return fn(q_BLHK, k_BLHK, v_BLHK)
+        return jax.checkpoint(causal_attention, policy=jax.checkpoint_policies.nothing_saveable)(
+            q_BLHK, k_BLHK, v_BLHK)
+    return causal_attention(q_BLHK, k_BLHK, v_BLHK)
 
 
-# GPT-2's tanh-GELU, its backward recomputing it from its input. Differentiated plainly it keeps four [B, L, F]
-# intermediates per layer besides its input and output for the backward pass; scanned layers must stack each
-# in an [N, B, L, F] buffer (the compiled step's forward loop: 6 such stacks before, 2 after), and unrolled ones
-# keep some too. Recomputing costs a few elementwise ops in the backward.
-# At the peer dims on 1 CPU device: temporaries 852 -> 596 MB scanned (663 -> 567 MB unrolled), the scanned
-# step 1.08x as fast (benchmarks/results/peer.md). The same function: trained params bitwise unchanged on CPU.
-gelu = jax.checkpoint(functools.partial(nn.gelu, approximate=True), policy=jax.checkpoint_policies.nothing_saveable)
+# GPT-2's tanh-GELU, applied by the MLP's output projection to its input and recomputed in the backward
+# (Linear.act). Differentiated plainly it keeps four [B, L, F] intermediates per layer besides its input and
+# output; scanned layers stack each in an [N, B, L, F] buffer. Recomputing it costs a few elementwise ops.
+gelu = functools.partial(nn.gelu, approximate=True)
 
 
-def _layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
-    return nn.LayerNorm(epsilon=LN_EPS, dtype=_dtype(cfg), name=name, use_bias=cfg.bias,
-                        scale_init=P(nn.initializers.ones, ("norm",)), bias_init=P(nn.initializers.zeros, ("norm",)))
+class LayerNorm(nn.Module):
+    """flax.linen.LayerNorm's params and forward (fp32 statistics, output in the compute dtype), with a
+    backward that keeps fewer activations (trainer.core.layers.layer_norm)."""
+
+    use_bias: bool
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        D = x.shape[-1]
+        scale = self.param("scale", P(nn.initializers.ones, ("norm",)), (D,))
+        bias = self.param("bias", P(nn.initializers.zeros, ("norm",)), (D,)) if self.use_bias else None
+        return layer_norm(x.astype(self.dtype), scale, bias, LN_EPS)
 
 
-@jax.custom_vjp
-def add_bias(y, bias):
-    """y + bias (cast to y's dtype), whose bias gradient is a matmul of the cotangent with ones, accumulated
-    in fp32: the plain add's gradient is a reduce over batch and sequence in the compute dtype, which XLA's
-    CPU backend splits into slow reduce-window trees (~7% of a 1-device step at the peer dims)."""
-    return y + bias.astype(y.dtype)
-
-
-def _add_bias_fwd(y, bias):
-    return add_bias(y, bias), jnp.zeros((0, *bias.shape), bias.dtype)  # empty: carries the bias' rank and dtype
-
-
-def _add_bias_bwd(res, g):
-    k = g.ndim - (res.ndim - 1)  # leading axes the bias was broadcast over
-    ones = jnp.ones(g.shape[:k], g.dtype)
-    db = jax.lax.dot_general(ones, g, ((tuple(range(k)), tuple(range(k))), ((), ())),
-                             preferred_element_type=jnp.float32)
-    return g, db.astype(res.dtype)
-
-
-add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
+def _layer_norm(cfg: ModelConfig, name: str) -> LayerNorm:
+    return LayerNorm(cfg.bias, _dtype(cfg), name=name)
 
 
 class Linear(nn.Module):
-    """y = einsum(x, kernel) + bias with explicit params: the kernel's leading `n_in` axes are contracted,
-    the bias (if use_bias) has the kernel's remaining (output) axes. Multiplies in the compute dtype."""
+    """y = einsum(act(x), kernel) + bias with explicit params: the kernel's leading `n_in` axes are
+    contracted, the bias (if use_bias) has the kernel's remaining (output) axes. Multiplies in the compute
+    dtype. An activation `act` is recomputed in the backward: only its input is kept."""
 
     equation: str  # e.g. "BLD,DTHK->BLTHK"
     shape: tuple[int, ...]
@@ -126,13 +118,18 @@ class Linear(nn.Module):
     std: float
     dtype: jnp.dtype
     use_bias: bool = True
+    act: Callable | None = None
 
     @nn.compact
     def __call__(self, x):
         kernel = self.param("kernel", P(nn.initializers.normal(self.std), self.axes), self.shape)
         # Cast while still sharded like the param: FSDP then gathers the compute dtype (half the bytes in bf16).
         kernel = nn.with_logical_constraint(kernel.astype(self.dtype), self.axes)
-        y = jnp.einsum(self.equation, x.astype(self.dtype), kernel)
+        if self.act is None:
+            y = jnp.einsum(self.equation, x.astype(self.dtype), kernel)
+        else:
+            mul = lambda x, kernel: jnp.einsum(self.equation, self.act(x).astype(self.dtype), kernel)  # noqa: E731
+            y = jax.checkpoint(mul, policy=jax.checkpoint_policies.nothing_saveable)(x, kernel)
         if not self.use_bias:
             return y
         bias = self.param("bias", P(nn.initializers.zeros, self._bias_axes()), self.shape[self.n_in:])
@@ -155,8 +152,8 @@ class Block(nn.Module):
         D, H = cfg.d_model, cfg.n_heads
         K, F = D // H, cfg.d_ff or 4 * D
         std_out = 0.02 / (2 * cfg.n_layers) ** 0.5  # GPT-2's scaling of the residual projections
-        lin = lambda name, eq, shape, axes, n_in, std=0.02: Linear(  # noqa: E731
-            eq, shape, axes, n_in, std, dt, cfg.bias, name=name)
+        lin = lambda name, eq, shape, axes, n_in, std=0.02, act=None: Linear(  # noqa: E731
+            eq, shape, axes, n_in, std, dt, cfg.bias, act, name=name)
 
         h_BLD = _layer_norm(cfg, "ln_1")(x_BLD)
         qkv_BLTHK = lin("qkv", "BLD,DTHK->BLTHK", (D, 3, H, K), ("embed", None, "heads", "head_dim"), 1)(h_BLD)
@@ -172,8 +169,8 @@ class Block(nn.Module):
 
         h_BLD = _layer_norm(cfg, "ln_2")(x_BLD)
         h_BLF = lin("fc", "BLD,DF->BLF", (D, F), ("embed", "mlp"), 1)(h_BLD)
-        h_BLF = gelu(nn.with_logical_constraint(h_BLF, ("batch", "seq", "mlp")))
-        h_BLD = lin("out", "BLF,FD->BLD", (F, D), ("mlp", "embed"), 1, std_out)(h_BLF)
+        h_BLF = nn.with_logical_constraint(h_BLF, ("batch", "seq", "mlp"))
+        h_BLD = lin("out", "BLF,FD->BLD", (F, D), ("mlp", "embed"), 1, std_out, act=gelu)(h_BLF)  # out(gelu(h))
         x_BLD = x_BLD + nn.Dropout(cfg.dropout)(h_BLD, deterministic=self.deterministic)
         return nn.with_logical_constraint(x_BLD, ("batch", "seq", "act_embed")), None
 

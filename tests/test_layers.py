@@ -1,0 +1,88 @@
+"""trainer.core.layers: the forward of each hand-differentiated block is bit for bit the one it replaces
+(flax's LayerNorm, jax.nn.dot_product_attention), its gradient is the autodiff gradient of that one, and
+its backward keeps what layers.py says: no fp32 copy of the activations or of the L x L probabilities."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trainer.config import ModelConfig
+from trainer.core.layers import causal_attention, layer_norm
+from trainer.core.model import GPT, LN_EPS
+
+DTYPES = [jnp.float32, jnp.bfloat16]
+# gradient agreement, relative to the largest entry: fp32 to rounding; bf16 to a few of its ulps
+GRAD_TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def _rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.abs(a - b).max() / np.abs(a).max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_norm_is_flax_layer_norm_forward_and_gradient(dtype, bias):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(4, 32, 64)) * 3 + 1, dtype)  # off-centre: the mean matters
+    w = jnp.asarray(rng.normal(size=x.shape), jnp.float32)  # a non-uniform cotangent
+    scale = jnp.asarray(1 + 0.1 * rng.normal(size=64), jnp.float32)
+    b = jnp.asarray(0.1 * rng.normal(size=64), jnp.float32) if bias else None
+    flax_ln = nn.LayerNorm(epsilon=LN_EPS, dtype=dtype, use_bias=bias)
+    params = {"params": {"scale": scale, **({"bias": b} if bias else {})}}
+
+    def ref(x, p):
+        return jnp.sum(flax_ln.apply({"params": p}, x).astype(jnp.float32) * w)
+
+    def ours(x, p):
+        return jnp.sum(layer_norm(x, p["scale"], p.get("bias"), LN_EPS).astype(jnp.float32) * w)
+
+    y_ref = jax.jit(flax_ln.apply)(params, x)
+    y = jax.jit(lambda x, s, b: layer_norm(x, s, b, LN_EPS))(x, scale, b)
+    assert y.dtype == dtype and np.array_equal(np.asarray(y_ref, np.float32), np.asarray(y, np.float32))
+    g_ref = jax.jit(jax.grad(ref, argnums=(0, 1)))(x, params["params"])
+    g = jax.jit(jax.grad(ours, argnums=(0, 1)))(x, params["params"])
+    assert jax.tree.map(lambda a: a.dtype, g) == jax.tree.map(lambda a: a.dtype, g_ref)
+    for a, c in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g)):
+        assert _rel_err(a, c) < GRAD_TOL[dtype], (a.shape, _rel_err(a, c))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_attention_is_jax_attention_forward_and_gradient(dtype):
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 48, 4, 24)), dtype) for _ in range(3))  # head dim 24: scale inexact
+    w = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+
+    def ref(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+    o_ref, o = jax.jit(ref)(q, k, v), jax.jit(causal_attention)(q, k, v)
+    assert o.dtype == dtype and np.array_equal(np.asarray(o_ref, np.float32), np.asarray(o, np.float32))
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * w)  # noqa: E731
+    g_ref = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2)))(q, k, v)
+    g = jax.jit(jax.grad(loss(causal_attention), argnums=(0, 1, 2)))(q, k, v)
+    for name, a, c in zip("qkv", g_ref, g):
+        assert c.dtype == dtype and _rel_err(a, c) < GRAD_TOL[dtype], (name, _rel_err(a, c))
+    # causal: the last position's key and value get gradient only from the last query
+    g_last = jax.grad(lambda k: jnp.sum(causal_attention(q, k, v)[:, :-1].astype(jnp.float32)))(k)
+    assert not np.any(np.asarray(g_last[:, -1], np.float32))
+
+
+def test_the_backward_keeps_no_fp32_activations_or_probabilities(capsys):
+    """In bf16, what a block keeps for its backward is in bf16, but for the LayerNorms' row statistics:
+    no fp32 [B, L, D] (flax's LayerNorm kept three per norm) and no fp32 [B, H, L, L] (jax's attention kept
+    its softmax output besides the bf16 probabilities)."""
+    cfg = ModelConfig(vocab_size=384, seq_len=32, d_model=64, n_layers=2, n_heads=4, compute_dtype="bfloat16",
+                      scan=False)
+    model = GPT(cfg)
+    tokens = jnp.zeros((2, cfg.seq_len), jnp.int32)
+    params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+    jax.ad_checkpoint.print_saved_residuals(lambda p: model.apply({"params": p}, tokens).sum(), params)
+    saved = [line for line in capsys.readouterr().out.splitlines() if "from the argument" not in line]
+    fp32 = [line for line in saved if line.startswith("f32[")]
+    assert not [line for line in fp32 if line.startswith(("f32[2,32,64]", "f32[2,4,32,32]"))], fp32
+    assert sum(line.startswith("bf16[2,4,32,32]") for line in saved) == cfg.n_layers  # the probabilities, once

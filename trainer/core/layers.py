@@ -1,0 +1,133 @@
+"""The model's building blocks whose backward pass we write ourselves (jax.custom_vjp), to choose what the
+forward keeps for it: the forward computes what jax's or flax's version computes, bit for bit.
+
+Why: what autodiff keeps is sized per layer, and under `model.scan` every kept array becomes an [N, ...]
+stack that the compiled step fills in the forward loop (after zeroing it) and reads back in the backward.
+At the peer dims on 1 CPU device (benchmarks/results/peer.md) autodiff kept, per block, three fp32 copies
+of the activation for each LayerNorm and both an fp32 and a bf16 copy of the L x L attention probabilities.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+@jax.custom_vjp
+def add_bias(y, bias):
+    """y + bias (cast to y's dtype), whose bias gradient is a matmul of the cotangent with ones, accumulated
+    in fp32: the plain add's gradient is a reduce over batch and sequence in the compute dtype, which XLA's
+    CPU backend splits into slow reduce-window trees (~7% of a 1-device step at the peer dims)."""
+    return y + bias.astype(y.dtype)
+
+
+def _add_bias_fwd(y, bias):
+    return add_bias(y, bias), jnp.zeros((0, *bias.shape), bias.dtype)  # empty: carries the bias' rank and dtype
+
+
+def _sum_leading(g, k: int):
+    """Sum over g's first k axes as a matmul with ones, accumulated in fp32 (see add_bias)."""
+    ones = jnp.ones(g.shape[:k], g.dtype)
+    return lax.dot_general(ones, g, ((tuple(range(k)), tuple(range(k))), ((), ())),
+                           preferred_element_type=jnp.float32)
+
+
+def _add_bias_bwd(res, g):
+    k = g.ndim - (res.ndim - 1)  # leading axes the bias was broadcast over
+    return g, _sum_leading(g, k).astype(res.dtype)
+
+
+add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
+
+
+# --- LayerNorm -----------------------------------------------------------------------------------------
+# flax's LayerNorm differentiated by autodiff keeps x - mean, x^2 and the scaled product, each in fp32
+# ([B, L, D] each, twice per block). This one keeps its input in the compute dtype and the two fp32 row
+# statistics, and recomputes the normalised input in the backward (one elementwise pass).
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def layer_norm(x, scale, bias, eps: float):
+    """flax.linen.LayerNorm over the last axis (its fast-variance statistics in fp32, output in x's dtype);
+    bias may be None."""
+    return _layer_norm_fwd(x, scale, bias, eps)[0]
+
+
+def _layer_norm_fwd(x, scale, bias, eps):
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, -1, keepdims=True)
+    var = jnp.maximum(0.0, jnp.mean(lax.square(xf), -1, keepdims=True) - lax.square(mean))
+    rstd = lax.rsqrt(var + eps)
+    y = (x - mean) * (rstd * scale)
+    if bias is not None:
+        y = y + bias
+    return y.astype(x.dtype), (x, mean, rstd, scale, bias)
+
+
+def _layer_norm_bwd(eps, res, dy):
+    x, mean, rstd, scale, bias = res
+    g = dy.astype(jnp.float32)
+    xhat = (x - mean) * rstd
+    k = x.ndim - 1
+    dscale = _sum_leading(g * xhat, k).astype(scale.dtype)
+    dbias = None if bias is None else _sum_leading(g, k).astype(bias.dtype)
+    dxhat = g * scale
+    dx = rstd * (dxhat - jnp.mean(dxhat, -1, keepdims=True) - xhat * jnp.mean(dxhat * xhat, -1, keepdims=True))
+    return dx.astype(x.dtype), dscale, dbias
+
+
+layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
+# --- causal attention (XLA's path; on a GPU in bf16 cuDNN's fused kernel is used instead) -----------------
+# jax.nn.dot_product_attention(implementation="xla") differentiated by autodiff keeps the fp32 softmax output
+# and its compute-dtype copy, both [B, H, L, L]. This one keeps only the compute-dtype probabilities, the ones
+# the forward multiplied by V. The backward's dS = P * (dP - rowsum(P * dP)) then reads P rounded to the
+# compute dtype: in fp32 nothing changes; in bf16 it is one more rounding of the size that dS itself gets
+# when it is cast to bf16 for the dQ and dK matmuls (both versions do that).
+
+def _mask_value() -> np.float32:
+    return np.float32(-0.7 * np.finfo(np.float32).max)  # jax.nn's: large, finite after any cast
+
+
+def _scale(head_dim: int) -> np.float32:
+    return np.float32(1.0 / np.sqrt(head_dim))  # as jax.nn computes it
+
+
+def _scores_precision(dtype):
+    # jax.nn's choice: bf16 operands, fp32 accumulation and result (jax issue #24047)
+    return lax.DotAlgorithmPreset.BF16_BF16_F32 if dtype == jnp.bfloat16 else None
+
+
+@jax.custom_vjp
+def causal_attention(q_BLHK, k_BLHK, v_BLHK):
+    """jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"), the same forward."""
+    return _attention_fwd(q_BLHK, k_BLHK, v_BLHK)[0]
+
+
+def _attention_fwd(q_BLHK, k_BLHK, v_BLHK):
+    L, K = q_BLHK.shape[1], q_BLHK.shape[3]
+    s_BHLL = jnp.einsum("BTHK,BSHK->BHTS", q_BLHK, k_BLHK, precision=_scores_precision(q_BLHK.dtype),
+                        preferred_element_type=jnp.float32)
+    s_BHLL = jnp.where(jnp.tril(jnp.ones((L, L), bool)), s_BHLL * _scale(K), _mask_value())
+    p_BHLL = jax.nn.softmax(s_BHLL, axis=-1).astype(q_BLHK.dtype)
+    o_BLHK = jnp.einsum("BHTS,BSHK->BTHK", p_BHLL, v_BLHK)
+    return o_BLHK, (q_BLHK, k_BLHK, v_BLHK, p_BHLL)
+
+
+def _attention_bwd(res, do_BLHK):
+    q_BLHK, k_BLHK, v_BLHK, p_BHLL = res
+    dv_BLHK = jnp.einsum("BHTS,BTHK->BSHK", p_BHLL, do_BLHK)
+    dp_BHLL = jnp.einsum("BTHK,BSHK->BHTS", do_BLHK, v_BLHK, preferred_element_type=jnp.float32)
+    p = p_BHLL.astype(jnp.float32)
+    ds_BHLL = p * (dp_BHLL - jnp.sum(dp_BHLL * p, -1, keepdims=True))  # masked entries: P = 0, so dS = 0
+    ds_BHLL = (ds_BHLL * _scale(q_BLHK.shape[3])).astype(q_BLHK.dtype)
+    dq_BLHK = jnp.einsum("BHTS,BSHK->BTHK", ds_BHLL, k_BLHK, preferred_element_type=jnp.float32)
+    dk_BLHK = jnp.einsum("BHTS,BTHK->BSHK", ds_BHLL, q_BLHK, preferred_element_type=jnp.float32)
+    return dq_BLHK.astype(q_BLHK.dtype), dk_BLHK.astype(k_BLHK.dtype), dv_BLHK
+
+
+causal_attention.defvjp(_attention_fwd, _attention_bwd)
