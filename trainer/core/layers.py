@@ -89,8 +89,7 @@ layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 # compute dtype: in fp32 nothing changes; in bf16 it is one more rounding of the size that dS itself gets
 # when it is cast to bf16 for the dQ and dK matmuls (both versions do that).
 
-def _mask_value() -> np.float32:
-    return np.float32(-0.7 * np.finfo(np.float32).max)  # jax.nn's: large, finite after any cast
+_MASK_VALUE = np.float32(-0.7 * np.finfo(np.float32).max)  # jax.nn's: large, finite after any cast
 
 
 def _scale(head_dim: int) -> np.float32:
@@ -112,7 +111,7 @@ def _attention_fwd(q_BLHK, k_BLHK, v_BLHK):
     L, K = q_BLHK.shape[1], q_BLHK.shape[3]
     s_BHLL = jnp.einsum("BTHK,BSHK->BHTS", q_BLHK, k_BLHK, precision=_scores_precision(q_BLHK.dtype),
                         preferred_element_type=jnp.float32)
-    s_BHLL = jnp.where(jnp.tril(jnp.ones((L, L), bool)), s_BHLL * _scale(K), _mask_value())
+    s_BHLL = jnp.where(jnp.tril(jnp.ones((L, L), bool)), s_BHLL * _scale(K), _MASK_VALUE)
     p_BHLL = jax.nn.softmax(s_BHLL, axis=-1).astype(q_BLHK.dtype)
     o_BLHK = jnp.einsum("BHTS,BSHK->BTHK", p_BHLL, v_BLHK)
     return o_BLHK, (q_BLHK, k_BLHK, v_BLHK, p_BHLL)
