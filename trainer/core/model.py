@@ -158,8 +158,11 @@ class Block(nn.Module):
         h_BLD = _layer_norm(cfg, "ln_1")(x_BLD)
         qkv_BLTHK = lin("qkv", "BLD,DTHK->BLTHK", (D, 3, H, K), ("embed", None, "heads", "head_dim"), 1)(h_BLD)
         qkv_BLTHK = checkpoint_name(qkv_BLTHK, "qkv")
+        # split, not three slices: the backward then concatenates dq, dk and dv into dqkv in one pass;
+        # slices are transposed to three zero-padded copies of dqkv that are summed (~3% of a CPU step).
         q_BLHK, k_BLHK, v_BLHK = (
-            nn.with_logical_constraint(qkv_BLTHK[:, :, i], ("batch", "seq", "heads", "head_dim")) for i in range(3))
+            nn.with_logical_constraint(a.squeeze(2), ("batch", "seq", "heads", "head_dim"))
+            for a in jnp.split(qkv_BLTHK, 3, axis=2))
         o_BLHK = _attention(cfg, q_BLHK, k_BLHK, v_BLHK)
         o_BLHK = checkpoint_name(nn.with_logical_constraint(o_BLHK, ("batch", "seq", "heads", "head_dim")),
                                  "attn_out")
