@@ -1,6 +1,7 @@
 """trainer.core.layers: the forward of each hand-differentiated block is bit for bit the one it replaces
-(flax's LayerNorm, jax.nn.dot_product_attention), its gradient is the autodiff gradient of that one, and
-its backward keeps what layers.py says: no fp32 copy of the activations or of the L x L probabilities."""
+(flax's LayerNorm, jax.nn.dot_product_attention; jax.nn.gelu evaluated in fp32), its gradient is the
+autodiff gradient of that one, and its backward keeps what layers.py says: no fp32 copy of the activations
+or of the L x L probabilities."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from trainer.config import ModelConfig
-from trainer.core.layers import causal_attention, layer_norm
+from trainer.core.layers import causal_attention, gelu, layer_norm
 from trainer.core.model import GPT, LN_EPS
 
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -49,6 +50,27 @@ def test_layer_norm_is_flax_layer_norm_forward_and_gradient(dtype, bias):
     assert jax.tree.map(lambda a: a.dtype, g) == jax.tree.map(lambda a: a.dtype, g_ref)
     for a, c in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g)):
         assert _rel_err(a, c) < GRAD_TOL[dtype], (a.shape, _rel_err(a, c))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_is_jax_tanh_gelu_evaluated_in_fp32_forward_and_gradient(dtype):
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(16, 512)) * 3, dtype)  # the tanh's linear, curved and flat parts
+    w = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+    ref = jax.jit(lambda x: jax.nn.gelu(x.astype(jnp.float32), approximate=True))
+    y = jax.jit(gelu)(x)
+    assert y.dtype == dtype and np.array_equal(np.asarray(ref(x).astype(dtype), np.float32),
+                                               np.asarray(y, np.float32))
+    g_ref = jax.jit(jax.grad(lambda x: jnp.sum(ref(x) * w)))(x.astype(jnp.float32))
+    g = jax.jit(jax.grad(lambda x: jnp.sum(gelu(x).astype(jnp.float32) * w)))(x)
+    assert g.dtype == dtype and _rel_err(g_ref, g) < GRAD_TOL[dtype], _rel_err(g_ref, g)
+    if dtype == jnp.bfloat16:  # closer to the fp32 values than jax.nn.gelu's bf16 forward and backward
+        g_jax = jax.grad(lambda x: jnp.sum(jax.nn.gelu(x, approximate=True).astype(jnp.float32) * w))(x)
+        y_err, y_jax_err = (float(np.mean(np.abs(np.asarray(a, np.float32) - np.asarray(ref(x)))))
+                            for a in (y, jax.nn.gelu(x, approximate=True)))
+        g_err, g_jax_err = (float(np.mean(np.abs(np.asarray(a, np.float32) - np.asarray(g_ref))))
+                            for a in (g, g_jax))
+        assert y_err < y_jax_err and g_err < g_jax_err, (y_err, y_jax_err, g_err, g_jax_err)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,5 +1,6 @@
 """The model's building blocks whose backward pass we write ourselves (jax.custom_vjp), to choose what the
-forward keeps for it: the forward computes what jax's or flax's version computes, bit for bit.
+forward keeps for it and how the backward is computed. The forward computes what jax's or flax's version
+computes, bit for bit; GELU in bf16 is the one exception: evaluated in fp32 and rounded once.
 
 Why: what autodiff keeps is sized per layer, and under `model.scan` every kept array becomes an [N, ...]
 stack that the compiled step fills in the forward loop (after zeroing it) and reads back in the backward.
@@ -42,6 +43,38 @@ def _add_bias_bwd(res, g):
 
 
 add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
+
+
+# --- GELU ------------------------------------------------------------------------------------------------
+# jax.nn.gelu in bf16 rounds after each of its ~8 elementwise ops, and autodiff's backward chains ~12 more,
+# each rounded too. Here the forward runs in fp32 and rounds once (as PyTorch's and Transformer Engine's bf16
+# GELU do: closer to the exact value), and the backward is the closed-form derivative, also in fp32, from
+# the input alone. On 1 CPU device at the peer dims the step ran 3-8% faster. In fp32 the forward is
+# jax.nn.gelu's, bit for bit.
+
+_GELU_C = np.float32(np.sqrt(2 / np.pi))  # jax.nn.gelu's constant
+
+
+@jax.custom_vjp
+def gelu(x):
+    """tanh-GELU (jax.nn.gelu(approximate=True)) evaluated in fp32 and rounded once to x's dtype."""
+    return _gelu_fwd(x)[0]
+
+
+def _gelu_fwd(x):
+    xf = x.astype(jnp.float32)
+    cdf = 0.5 * (1.0 + jnp.tanh(_GELU_C * (xf + 0.044715 * (xf ** 3))))
+    return (xf * cdf).astype(x.dtype), x
+
+
+def _gelu_bwd(x, g):
+    xf = x.astype(jnp.float32)
+    t = jnp.tanh(_GELU_C * (xf + 0.044715 * (xf ** 3)))
+    dydx = 0.5 * (1.0 + t) + 0.5 * xf * (1.0 - t * t) * _GELU_C * (1.0 + 3 * 0.044715 * (xf * xf))
+    return ((g.astype(jnp.float32) * dydx).astype(x.dtype),)
+
+
+gelu.defvjp(_gelu_fwd, _gelu_bwd)
 
 
 # --- LayerNorm -----------------------------------------------------------------------------------------

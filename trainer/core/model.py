@@ -31,7 +31,6 @@ c_proj's weight [D, D] is proj/kernel reshaped to [H*K, D]. LayerNorm epsilon: L
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -40,7 +39,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from trainer.config import ModelConfig
-from trainer.core.layers import add_bias, causal_attention, layer_norm
+from trainer.core.layers import add_bias, causal_attention, gelu, layer_norm
 
 P = nn.with_logical_partitioning
 LN_EPS = 1e-5  # GPT-2's layer_norm_epsilon
@@ -81,10 +80,6 @@ def _attention(cfg: ModelConfig, q_BLHK, k_BLHK, v_BLHK):
     return causal_attention(q_BLHK, k_BLHK, v_BLHK)
 
 
-# GPT-2's tanh-GELU, applied by the MLP's output projection to its input and recomputed in the backward
-# (Linear.act). Differentiated plainly it keeps four [B, L, F] intermediates per layer besides its input and
-# output; scanned layers stack each in an [N, B, L, F] buffer. Recomputing it costs a few elementwise ops.
-gelu = functools.partial(nn.gelu, approximate=True)
 
 
 class LayerNorm(nn.Module):
@@ -173,7 +168,8 @@ class Block(nn.Module):
         h_BLD = _layer_norm(cfg, "ln_2")(x_BLD)
         h_BLF = lin("fc", "BLD,DF->BLF", (D, F), ("embed", "mlp"), 1)(h_BLD)
         h_BLF = nn.with_logical_constraint(h_BLF, ("batch", "seq", "mlp"))
-        h_BLD = lin("out", "BLF,FD->BLD", (F, D), ("mlp", "embed"), 1, std_out, act=gelu)(h_BLF)  # out(gelu(h))
+        # out(gelu(h)): the projection recomputes GELU in the backward, so only its input is kept for it.
+        h_BLD = lin("out", "BLF,FD->BLD", (F, D), ("mlp", "embed"), 1, std_out, act=gelu)(h_BLF)
         x_BLD = x_BLD + nn.Dropout(cfg.dropout)(h_BLD, deterministic=self.deterministic)
         return nn.with_logical_constraint(x_BLD, ("batch", "seq", "act_embed")), None
 
