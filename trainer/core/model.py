@@ -80,8 +80,6 @@ def _attention(cfg: ModelConfig, q_BLHK, k_BLHK, v_BLHK):
     return causal_attention(q_BLHK, k_BLHK, v_BLHK)
 
 
-
-
 class LayerNorm(nn.Module):
     """flax.linen.LayerNorm's params and forward (fp32 statistics, output in the compute dtype), with a
     backward that keeps fewer activations (trainer.core.layers.layer_norm)."""
