@@ -1,7 +1,7 @@
-"""trainer.core.layers: the forward of each hand-differentiated block is bit for bit the one it replaces
-(flax's LayerNorm, jax.nn.dot_product_attention; jax.nn.gelu evaluated in fp32), its gradient is the
-autodiff gradient of that one, and its backward keeps what layers.py says: no fp32 copy of the activations
-or of the L x L probabilities."""
+"""trainer.core.layers: the forward of each hand-differentiated block is the one it replaces (flax's LayerNorm
+bit for bit; jax.nn.gelu evaluated in fp32; jax.nn.dot_product_attention up to the order of its sums), its
+gradient is the autodiff gradient of that one, and its backward keeps what layers.py says: no fp32 copy of
+the activations or of the probabilities, and no probabilities above the causal diagonal blocks."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from trainer.core.model import GPT, LN_EPS
 DTYPES = [jnp.float32, jnp.bfloat16]
 # gradient agreement, relative to the largest entry: fp32 to rounding; bf16 to a few of its ulps
 GRAD_TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+FWD_TOL = {jnp.float32: 1e-6, jnp.bfloat16: 8e-3}  # a different order of sums: fp32 rounding; one bf16 rounding
 
 
 def _rel_err(a, b) -> float:
@@ -74,30 +75,33 @@ def test_gelu_is_jax_tanh_gelu_evaluated_in_fp32_forward_and_gradient(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_causal_attention_is_jax_attention_forward_and_gradient(dtype):
+@pytest.mark.parametrize("seq_len", [48, 50, 49])  # 4, 2 and 1 query blocks
+def test_causal_attention_is_jax_attention_forward_and_gradient(dtype, seq_len):
     rng = np.random.default_rng(1)
-    q, k, v = (jnp.asarray(rng.normal(size=(2, 48, 4, 24)), dtype) for _ in range(3))  # head dim 24: scale inexact
+    q, k, v = (jnp.asarray(rng.normal(size=(2, seq_len, 4, 24)), dtype) for _ in range(3))  # head dim 24: scale inexact
     w = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
 
     def ref(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
 
     o_ref, o = jax.jit(ref)(q, k, v), jax.jit(causal_attention)(q, k, v)
-    assert o.dtype == dtype and np.array_equal(np.asarray(o_ref, np.float32), np.asarray(o, np.float32))
+    # the skipped blocks add exact zeros to jax's sums: only the order of the sums differs
+    assert o.dtype == dtype and _rel_err(o_ref, o) < FWD_TOL[dtype], _rel_err(o_ref, o)
     loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * w)  # noqa: E731
     g_ref = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2)))(q, k, v)
     g = jax.jit(jax.grad(loss(causal_attention), argnums=(0, 1, 2)))(q, k, v)
     for name, a, c in zip("qkv", g_ref, g):
         assert c.dtype == dtype and _rel_err(a, c) < GRAD_TOL[dtype], (name, _rel_err(a, c))
     # causal: the last position's key and value get gradient only from the last query
-    g_last = jax.grad(lambda k: jnp.sum(causal_attention(q, k, v)[:, :-1].astype(jnp.float32)))(k)
+    g_last = jax.jit(jax.grad(lambda k: jnp.sum(causal_attention(q, k, v)[:, :-1].astype(jnp.float32))))(k)
     assert not np.any(np.asarray(g_last[:, -1], np.float32))
 
 
 def test_the_backward_keeps_no_fp32_activations_or_probabilities(capsys):
     """In bf16, what a block keeps for its backward is in bf16, but for the LayerNorms' row statistics:
-    no fp32 [B, L, D] (flax's LayerNorm kept three per norm) and no fp32 [B, H, L, L] (jax's attention kept
-    its softmax output besides the bf16 probabilities)."""
+    no fp32 [B, L, D] (flax's LayerNorm kept three per norm) and no fp32 probabilities (jax's attention kept
+    its softmax output besides the bf16 probabilities); and of the probabilities only the 4 query blocks'
+    rows against the keys up to each block's end: 5/8 of L x L."""
     cfg = ModelConfig(vocab_size=384, seq_len=32, d_model=64, n_layers=2, n_heads=4, compute_dtype="bfloat16",
                       scan=False)
     model = GPT(cfg)
@@ -106,5 +110,6 @@ def test_the_backward_keeps_no_fp32_activations_or_probabilities(capsys):
     jax.ad_checkpoint.print_saved_residuals(lambda p: model.apply({"params": p}, tokens).sum(), params)
     saved = [line for line in capsys.readouterr().out.splitlines() if "from the argument" not in line]
     fp32 = [line for line in saved if line.startswith("f32[")]
-    assert not [line for line in fp32 if line.startswith(("f32[2,32,64]", "f32[2,4,32,32]"))], fp32
-    assert sum(line.startswith("bf16[2,4,32,32]") for line in saved) == cfg.n_layers  # the probabilities, once
+    assert not [line for line in fp32 if line.startswith(("f32[2,32,64]", "f32[2,4,"))], fp32
+    probs = sorted(line.split()[0] for line in saved if line.startswith("bf16[2,4,") and not line.startswith("bf16[2,4,8]"))
+    assert probs == sorted([f"bf16[2,4,8,{n}]" for n in (8, 16, 24, 32)] * cfg.n_layers), probs  # once each

@@ -1,6 +1,7 @@
 """The model's building blocks whose backward pass we write ourselves (jax.custom_vjp), to choose what the
 forward keeps for it and how the backward is computed. The forward computes what jax's or flax's version
-computes, bit for bit; GELU in bf16 is the one exception: evaluated in fp32 and rounded once.
+computes, bit for bit, with two exceptions: GELU in bf16 is evaluated in fp32 and rounded once, and the
+attention skips the score blocks the causal mask hides (the same values up to the order of the sums).
 
 Why: what autodiff keeps is sized per layer, and under `model.scan` every kept array becomes an [N, ...]
 stack that the compiled step fills in the forward loop (after zeroing it) and reads back in the backward.
@@ -118,6 +119,12 @@ layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 # the forward multiplied by V. The backward's dS = P * (dP - rowsum(P * dP)) then reads P rounded to the
 # compute dtype: in fp32 nothing changes; in bf16 it is one more rounding of the size that dS itself gets
 # when it is cast to bf16 for the dQ and dK matmuls (both versions do that).
+#
+# The queries are split into QUERY_BLOCKS row blocks and block i attends only to the keys up to its last row:
+# the score, softmax, P @ V and backward work above the diagonal blocks, all masked to zero, is never done
+# nor kept. With 4 blocks that is 3/8 of the L x L work and residuals (a flash kernel's block skipping,
+# without the kernel). The forward equals jax.nn's up to the order of the sums (the masked terms it adds
+# are exact zeros). On 1 CPU device at the peer dims the step ran 5-15% faster than with 1 block.
 
 _MASK_VALUE = np.float32(-0.7 * np.finfo(np.float32).max)  # jax.nn's: large, finite after any cast
 
@@ -131,32 +138,55 @@ def _scores_precision(dtype):
     return lax.DotAlgorithmPreset.BF16_BF16_F32 if dtype == jnp.bfloat16 else None
 
 
+QUERY_BLOCKS = 4  # more blocks skip more (at most half the L x L work) but multiply small matmuls
+
+
+def _query_blocks(L: int) -> int:
+    return next(b for b in (QUERY_BLOCKS, 2, 1) if L % b == 0)
+
+
 @jax.custom_vjp
 def causal_attention(q_BLHK, k_BLHK, v_BLHK):
-    """jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"), the same forward."""
+    """jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"): the same forward, up to
+    the order of its sums."""
     return _attention_fwd(q_BLHK, k_BLHK, v_BLHK)[0]
 
 
 def _attention_fwd(q_BLHK, k_BLHK, v_BLHK):
     L, K = q_BLHK.shape[1], q_BLHK.shape[3]
-    s_BHLL = jnp.einsum("BTHK,BSHK->BHTS", q_BLHK, k_BLHK, precision=_scores_precision(q_BLHK.dtype),
-                        preferred_element_type=jnp.float32)
-    s_BHLL = jnp.where(jnp.tril(jnp.ones((L, L), bool)), s_BHLL * _scale(K), _MASK_VALUE)
-    p_BHLL = jax.nn.softmax(s_BHLL, axis=-1).astype(q_BLHK.dtype)
-    o_BLHK = jnp.einsum("BHTS,BSHK->BTHK", p_BHLL, v_BLHK)
-    return o_BLHK, (q_BLHK, k_BLHK, v_BLHK, p_BHLL)
+    n_b = _query_blocks(L)
+    c = L // n_b
+    o_blocks, ps = [], []
+    for i in range(n_b):  # block i: queries [i c, (i + 1) c) against keys [0, (i + 1) c)
+        n = (i + 1) * c
+        s_BHTS = jnp.einsum("BTHK,BSHK->BHTS", q_BLHK[:, i * c:n], k_BLHK[:, :n],
+                            precision=_scores_precision(q_BLHK.dtype), preferred_element_type=jnp.float32)
+        visible = jnp.arange(n)[None, :] <= (i * c + jnp.arange(c))[:, None]
+        s_BHTS = jnp.where(visible, s_BHTS * _scale(K), _MASK_VALUE)
+        p_BHTS = jax.nn.softmax(s_BHTS, axis=-1).astype(q_BLHK.dtype)
+        o_blocks.append(jnp.einsum("BHTS,BSHK->BTHK", p_BHTS, v_BLHK[:, :n]))
+        ps.append(p_BHTS)
+    o_BLHK = jnp.concatenate(o_blocks, axis=1) if n_b > 1 else o_blocks[0]
+    return o_BLHK, (q_BLHK, k_BLHK, v_BLHK, tuple(ps))
 
 
 def _attention_bwd(res, do_BLHK):
-    q_BLHK, k_BLHK, v_BLHK, p_BHLL = res
-    dv_BLHK = jnp.einsum("BHTS,BTHK->BSHK", p_BHLL, do_BLHK)
-    dp_BHLL = jnp.einsum("BTHK,BSHK->BHTS", do_BLHK, v_BLHK, preferred_element_type=jnp.float32)
-    p = p_BHLL.astype(jnp.float32)
-    ds_BHLL = p * (dp_BHLL - jnp.sum(dp_BHLL * p, -1, keepdims=True))  # masked entries: P = 0, so dS = 0
-    ds_BHLL = (ds_BHLL * _scale(q_BLHK.shape[3])).astype(q_BLHK.dtype)
-    dq_BLHK = jnp.einsum("BHTS,BSHK->BTHK", ds_BHLL, k_BLHK, preferred_element_type=jnp.float32)
-    dk_BLHK = jnp.einsum("BHTS,BTHK->BSHK", ds_BHLL, q_BLHK, preferred_element_type=jnp.float32)
-    return dq_BLHK.astype(q_BLHK.dtype), dk_BLHK.astype(k_BLHK.dtype), dv_BLHK
+    q_BLHK, k_BLHK, v_BLHK, ps = res
+    n_b, f32 = len(ps), jnp.float32
+    c = q_BLHK.shape[1] // n_b
+    dq_blocks, dk, dv = [], jnp.zeros(k_BLHK.shape, f32), jnp.zeros(v_BLHK.shape, f32)  # dK, dV: summed over blocks
+    for i, p_BHTS in enumerate(ps):
+        n = (i + 1) * c
+        do_i, q_i = do_BLHK[:, i * c:n], q_BLHK[:, i * c:n]
+        dv = dv.at[:, :n].add(jnp.einsum("BHTS,BTHK->BSHK", p_BHTS, do_i, preferred_element_type=f32))
+        dp_BHTS = jnp.einsum("BTHK,BSHK->BHTS", do_i, v_BLHK[:, :n], preferred_element_type=f32)
+        p = p_BHTS.astype(f32)
+        ds_BHTS = p * (dp_BHTS - jnp.sum(dp_BHTS * p, -1, keepdims=True))  # masked entries: P = 0, so dS = 0
+        ds_BHTS = (ds_BHTS * _scale(q_BLHK.shape[3])).astype(q_BLHK.dtype)
+        dq_blocks.append(jnp.einsum("BHTS,BSHK->BTHK", ds_BHTS, k_BLHK[:, :n], preferred_element_type=f32))
+        dk = dk.at[:, :n].add(jnp.einsum("BHTS,BTHK->BSHK", ds_BHTS, q_i, preferred_element_type=f32))
+    dq_BLHK = jnp.concatenate(dq_blocks, axis=1) if n_b > 1 else dq_blocks[0]
+    return dq_BLHK.astype(q_BLHK.dtype), dk.astype(k_BLHK.dtype), dv.astype(v_BLHK.dtype)
 
 
 causal_attention.defvjp(_attention_fwd, _attention_bwd)
