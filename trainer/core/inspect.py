@@ -28,12 +28,15 @@ MEM_FRACTION = 0.90  # of device memory XLA may use (launch/slurm.sbatch's XLA_P
 
 HELP = """MFU ceilings (model FLOPs = the formula the training loop logs MFU with; peak = the GPU's dense
 bf16 figure): "compute" = model FLOPs / compiled matmul FLOPs, the MFU if every compiled matmul ran at peak
-and nothing else took time (remat recompute lowers it); "serial" also adds the collectives' time at the
+and nothing else took time (remat recompute lowers it; it can pass 100%: the model FLOPs count the whole
+L x L attention, the usual convention, while XLA's attention path skips the blocks the causal mask hides,
+and a cuDNN kernel is no matmul in the HLO); "serial" also adds the collectives' time at the
 link's bandwidth (NVLink inside a host of 8, the network for groups that span hosts; all-reduce counted
 twice, as a ring moves it) as if none overlapped with compute.
 A real step lands below both: elementwise work, attention kernels and launch gaps are not counted.
-On fake CPU devices the memory figures are the CPU compiler's: attention there materialises the L x L
-scores (cuDNN's fused kernel does not), so temp bytes are an upper bound for a GPU."""
+On fake CPU devices the memory figures are the CPU compiler's: attention there materialises the scores
+(the blocks on and below the diagonal, 5/8 of L x L; cuDNN's fused kernel keeps none), so temp bytes are
+an upper bound for a GPU."""
 
 
 def _parser() -> argparse.ArgumentParser:
