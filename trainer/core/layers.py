@@ -161,13 +161,11 @@ def _attention_fwd(q_BLHK, k_BLHK, v_BLHK):
         n = (i + 1) * c
         s_BHTS = jnp.einsum("BTHK,BSHK->BHTS", q_BLHK[:, i * c:n], k_BLHK[:, :n],
                             precision=_scores_precision(q_BLHK.dtype), preferred_element_type=jnp.float32)
-        visible = jnp.arange(n)[None, :] <= (i * c + jnp.arange(c))[:, None]
-        s_BHTS = jnp.where(visible, s_BHTS * _scale(K), _MASK_VALUE)
+        s_BHTS = jnp.where(jnp.tril(jnp.ones((c, n), bool), i * c), s_BHTS * _scale(K), _MASK_VALUE)
         p_BHTS = jax.nn.softmax(s_BHTS, axis=-1).astype(q_BLHK.dtype)
         o_blocks.append(jnp.einsum("BHTS,BSHK->BTHK", p_BHTS, v_BLHK[:, :n]))
         ps.append(p_BHTS)
-    o_BLHK = jnp.concatenate(o_blocks, axis=1) if n_b > 1 else o_blocks[0]
-    return o_BLHK, (q_BLHK, k_BLHK, v_BLHK, tuple(ps))
+    return jnp.concatenate(o_blocks, axis=1), (q_BLHK, k_BLHK, v_BLHK, tuple(ps))
 
 
 def _attention_bwd(res, do_BLHK):
@@ -185,8 +183,7 @@ def _attention_bwd(res, do_BLHK):
         ds_BHTS = (ds_BHTS * _scale(q_BLHK.shape[3])).astype(q_BLHK.dtype)
         dq_blocks.append(jnp.einsum("BHTS,BSHK->BTHK", ds_BHTS, k_BLHK[:, :n], preferred_element_type=f32))
         dk = dk.at[:, :n].add(jnp.einsum("BHTS,BTHK->BSHK", ds_BHTS, q_i, preferred_element_type=f32))
-    dq_BLHK = jnp.concatenate(dq_blocks, axis=1) if n_b > 1 else dq_blocks[0]
-    return dq_BLHK.astype(q_BLHK.dtype), dk.astype(k_BLHK.dtype), dv.astype(v_BLHK.dtype)
+    return jnp.concatenate(dq_blocks, axis=1).astype(q_BLHK.dtype), dk.astype(k_BLHK.dtype), dv.astype(v_BLHK.dtype)
 
 
 causal_attention.defvjp(_attention_fwd, _attention_bwd)
