@@ -194,6 +194,10 @@ class Checkpointer:
         self._join_sealer()
         if self.failure:
             raise SaveFailed(self.failure)
+        # The state is the output of the step still in flight. Orbax's copy would wait for it inside the
+        # timed call, and the blocking figure (events, TensorBoard, goodput's checkpoint share, the "auto"
+        # interval) would charge the step's own compute to the save: 0.4-0.6 s of a 0.5 s step on CPU.
+        jax.block_until_ready(state)
         t0 = time.perf_counter()
         if self.tier == "local":
             state_arg = ocp.args.PyTreeSave(state)
