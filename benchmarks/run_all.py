@@ -1,6 +1,6 @@
 """One command for every benchmark: `python -m benchmarks.run_all` runs each in its own process (each
 needs its own jax device setup) and writes benchmarks/results/results.json and results.md with the
-machine, the versions and the command that produced them. Under 15 minutes on 2 CPU cores.
+machine, the versions and the command that produced them. About 20 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations

@@ -59,13 +59,13 @@ def _support(d: dict) -> list[str]:
     """The numbers behind each ratio, one line per benchmark."""
     f, lines = _fmt, []
     if so := d.get("step_overhead"):
-        full = (so.get("runs", {}).get("full") or [{}])[0]
+        med = so.get("step_s_median") or {}
         lines.append(f"- step overhead: trainer {f(so.get('trainer_tokens_per_s'))} tok/s vs bare "
-                     f"{f(so.get('bare_tokens_per_s'))} tok/s; noise-robust cross-checks: CPU-seconds per step "
-                     f"ratio {f(so.get('cpu_time_ratio'))}, median step time ratio {f(so.get('median_step_ratio'))}; "
-                     f"without the checkpoint's blocking {f(so.get('ratio_without_ckpt_blocking'))}; "
-                     f"the trainer's window spent {f(full.get('ckpt_block_s_total'))} s blocked on its checkpoint "
-                     f"and {f(full.get('data_wait_s_total'))} s waiting for data, of {f(full.get('seconds'))} s")
+                     f"{f(so.get('bare_tokens_per_s'))} tok/s, sliced against each other; per pair "
+                     f"{', '.join(f(r) for r in so.get('pair_ratios') or [])}; median step {f(med.get('full'))} s vs "
+                     f"{f(med.get('bare'))} s (ratio {f(so.get('median_step_ratio'))}); CPU-seconds per step ratio "
+                     f"{f(so.get('cpu_time_ratio'))}; the window's save cost its step "
+                     f"{', '.join(f(x) for x in so.get('save_step_excess_s') or [])} s over the median")
     if cc := d.get("checkpoint_cost"):
         raw = cc.get("uncompressed_diagnostic", {})
         lines.append(f"- checkpoint: {f(cc.get('n_params'))} params, {f((cc.get('state_bytes') or 0) / 1e9)} GB "
