@@ -203,9 +203,13 @@ def provenance() -> dict:
     return {"machine": machine(), "versions": versions(), "git": git()}
 
 
-def cli(description: str, argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags every benchmark module takes (run alone: `python -m benchmarks.NAME --quick`)."""
+def cli(description: str, argv: list[str] | None = None, *, sets: bool = False) -> argparse.Namespace:
+    """The flags every benchmark module takes (run alone: `python -m benchmarks.NAME --quick`); `sets` adds
+    --set KEY=VALUE for benchmarks that run the trainer (what a component costs: switch it off)."""
     p = argparse.ArgumentParser(description=description)
+    if sets:
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="config override for the trainer's runs, e.g. checkpoint.every_steps=0")
     p.add_argument("--quick", action="store_true", help="few steps: checks the benchmark runs, numbers mean little")
     p.add_argument("--work", type=Path, default=None, help="scratch dir for run dirs and logs (default: a tmp dir)")
     p.add_argument("--out", type=Path, default=None, help="write the result JSON here (default: stdout only)")
