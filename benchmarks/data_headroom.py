@@ -84,9 +84,9 @@ def measure(consumed_tokens_per_s: float, quick: bool, work) -> dict:
                                headroom_vs_modelled=gpu_shape["tokens_per_s"] / need),
         "gpu_124m_shape_bpe": dict(gpu_bpe, prepared=bpe_meta, modelled_consumption_tokens_per_s=need,
                                    headroom_vs_modelled=gpu_bpe["tokens_per_s"] / need),
-        "setup": "trainer.core.data.make_iterator with configs/tiny.yaml's data settings (grain, 2 read threads, "
-                 "prefetch 4), drained alone on the host; consumption = the full trainer's steady tokens/s "
-                 "from the step-overhead benchmark",
+        "setup": "trainer.core.data.make_iterator with configs/tiny.yaml's data settings (grain; read threads "
+                 "and prefetch as recorded here), drained alone on the host; consumption = the full trainer's "
+                 "steady tokens/s from the step-overhead benchmark",
     }
 
 
