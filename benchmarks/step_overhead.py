@@ -161,7 +161,7 @@ def measure(work: Path, cache: Path, quick: bool, pairs: int = PAIRS, overrides:
         "cpu_time_ratio": cpu["bare"] / cpu["full"],
         "step_s_median": {"full": full_med, "bare": bare_med},
         # What the window's periodic save cost: its step's running time over the median step.
-        "save_step_excess_s": [r["full"]["save_step_s"] - full_med for r in runs],
+        "save_step_excess_s": [x - full_med for r in runs for x in r["full"]["save_step_s"]],
         "runs": runs,
         "warmup_steps": {"full": warmup, "bare": BARE_WARMUP},
         "window_steps": n,
@@ -231,8 +231,10 @@ def _pair(work: Path, cache: Path, warmup: int, n: int, slice_s: float, override
         "tokens_per_step": b["tokens_per_step"],
         "full": {"steps": n, "running_s": full_s, "in_slice_s": in_one_slice(times, slices["full"]),
                  "step_running_s": [running_s(a, b, slices["full"]) for a, b in zip(times, times[1:])],
-                 "save_step_s": running_s(times[-2], times[-1], slices["full"]),
-                 "data_wait_s_total": sum(e["data_wait_s"] for e in window[1:]),  # wall: 0 while stopped
+                 # the steps that saved (a save's step event carries its blocking): their running seconds
+                 "save_step_s": [running_s(times[i - 1], times[i], slices["full"])
+                                 for i in range(1, len(window)) if window[i].get("ckpt_block_s")],
+                 "data_wait_s_total": sum(e["data_wait_s"] for e in window[1:]),  # wall: a stop inside a read counts
                  # CPU over the whole slicing, per step event in it (+-1 step at the two ends)
                  "cpu_s": cpu["full"], "cpu_steps": sum(1 for e in evs if during[0] <= e["time"] <= during[1])},
         "bare": {"steps": len(done) - 1, "running_s": bare_s, "in_slice_s": in_one_slice(done, slices["bare"]),
