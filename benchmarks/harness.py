@@ -137,19 +137,6 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
-def cpu_per_step(proc: Proc, run_dir: Path, first: int, last: int, *, timeout: float) -> dict:
-    """CPU seconds per step of the supervisor and worker between the heartbeats of steps `first` and
-    `last`: on a shared machine CPU time moves much less with the neighbours' load than wall time does."""
-    def at(step: int) -> tuple[int, float]:
-        hb = wait_for(f"heartbeat step {step}", lambda: (h := heartbeat(run_dir)) and h["phase"] == "step"
-                      and h["step"] >= step and h, timeout=timeout, proc=proc, poll_s=0.01)
-        return hb["step"], cpu_seconds([proc.popen.pid, hb["pid"]])
-
-    s0, c0 = at(first)
-    s1, c1 = at(last)
-    return {"cpu_s_per_step": (c1 - c0) / max(s1 - s0, 1), "cpu_window_steps": s1 - s0}
-
-
 def steps(evs: list[dict]) -> list[dict]:
     return [e for e in evs if e["event"] == "step"]
 

@@ -135,9 +135,9 @@ def in_one_slice(times: list[float], slices: list[tuple[float, float]]) -> list[
     return [b - a for a, b in zip(times, times[1:]) if any(t0 <= a and b <= t1 for t0, t1 in slices)]
 
 
-def measure(work: Path, cache: Path, quick: bool, pairs: int = PAIRS, overrides: tuple[str, ...] = ()) -> dict:
+def measure(work: Path, cache: Path, quick: bool, overrides: tuple[str, ...] = ()) -> dict:
     warmup, n, slice_s = _plan(quick)
-    runs = [_pair(work / f"pair-{k}", cache, warmup, n, slice_s, overrides) for k in range(1 if quick else pairs)]
+    runs = [_pair(work / f"pair-{k}", cache, warmup, n, slice_s, overrides) for k in range(1 if quick else PAIRS)]
     full_s, bare_s = sum(r["full"]["running_s"] for r in runs), sum(r["bare"]["running_s"] for r in runs)
     full_rate = sum(r["full"]["steps"] for r in runs) / full_s
     bare_rate = sum(r["bare"]["steps"] for r in runs) / bare_s
