@@ -38,8 +38,13 @@ class _Bench:
 
         self.jax = jax
         mesh = mesh_lib.make_mesh(cfg.mesh)
-        self.spec = state_lib.build(GPT(cfg.model), optim.make_optimizer(cfg.optim, cfg.train.steps), mesh,
-                                    seed=cfg.run.seed, seq_len=cfg.model.seq_len)
+        self.spec = state_lib.build(
+            GPT(cfg.model),
+            optim.make_optimizer(cfg.optim, cfg.train.steps),
+            mesh,
+            seed=cfg.run.seed,
+            seq_len=cfg.model.seq_len,
+        )
         self.n_params = state_lib.param_count(self.spec.abstract)
         self.state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.spec.abstract))
         bsh = mesh_lib.batch_sharding(mesh)
@@ -129,10 +134,14 @@ def _windows(b: _Bench, ckpt, n: int, rounds: int) -> dict:
         waited.append(time.perf_counter() - t1)
         saved_s, saved_cpu = saved_s + time.perf_counter() - t0, saved_cpu + time.process_time() - c0
     tokens = rounds * n * b.tokens_per_step
-    return {"plain_tokens_per_s": tokens / plain_s, "ckpt_tokens_per_s": tokens / saved_s,
-            # CPU seconds (all threads) without / with the save: moves little with the neighbours' load.
-            "cpu_time_ratio": plain_cpu / saved_cpu,
-            "async_blocking_s": blocking, "write_wait_after_window_s": waited}
+    return {
+        "plain_tokens_per_s": tokens / plain_s,
+        "ckpt_tokens_per_s": tokens / saved_s,
+        # CPU seconds (all threads) without / with the save: moves little with the neighbours' load.
+        "cpu_time_ratio": plain_cpu / saved_cpu,
+        "async_blocking_s": blocking,
+        "write_wait_after_window_s": waited,
+    }
 
 
 def measure(work: Path, quick: bool) -> dict:
@@ -146,8 +155,9 @@ def measure(work: Path, quick: bool) -> dict:
     step_s = (time.perf_counter() - t0) / 2
     window_s = 2.0 if quick else 10.0
     n = max(2, round(window_s / step_s))
-    sync = _timed_saves(b, Checkpointer(work / "sync", CheckpointConfig(keep_latest=1, async_save=False)),
-                        1 if quick else 2)
+    sync = _timed_saves(
+        b, Checkpointer(work / "sync", CheckpointConfig(keep_latest=1, async_save=False)), 1 if quick else 2
+    )
     sync_blocking = [s["wall_s"] for s in sync]
     ckpt = Checkpointer(work / "async", CheckpointConfig(keep_latest=1, async_save=True))
     w = _windows(b, ckpt, n, 1 if quick else 3)
@@ -168,26 +178,33 @@ def measure(work: Path, quick: bool) -> dict:
     return {
         "ckpt_blocking_vs_sync": blocking_ratio,
         "ckpt_throughput_ratio": tput_ratio,
-        "targets": {"ckpt_blocking_vs_sync": f"<= {BLOCKING_TARGET}",
-                    "ckpt_throughput_ratio": f">= {THROUGHPUT_TARGET}"},
-        "met": {"ckpt_blocking_vs_sync": blocking_ratio <= BLOCKING_TARGET,
-                "ckpt_throughput_ratio": tput_ratio >= THROUGHPUT_TARGET},
+        "targets": {
+            "ckpt_blocking_vs_sync": f"<= {BLOCKING_TARGET}",
+            "ckpt_throughput_ratio": f">= {THROUGHPUT_TARGET}",
+        },
+        "met": {
+            "ckpt_blocking_vs_sync": blocking_ratio <= BLOCKING_TARGET,
+            "ckpt_throughput_ratio": tput_ratio >= THROUGHPUT_TARGET,
+        },
         "write_cpu_s": write_cpu_s,
         "cpu_bound_throughput_ratio": cpu_bound,
         "n_params": b.n_params,
         "state_bytes": b.state_bytes,
         "sync_blocking_s": sync_blocking,
         "sync_saves": sync,
-        "uncompressed_diagnostic": {"sync_saves": raw_sync, "ckpt_throughput_ratio": raw_w["ckpt_tokens_per_s"]
-                                    / raw_w["plain_tokens_per_s"], **raw_w},
+        "uncompressed_diagnostic": {
+            "sync_saves": raw_sync,
+            "ckpt_throughput_ratio": raw_w["ckpt_tokens_per_s"] / raw_w["plain_tokens_per_s"],
+            **raw_w,
+        },
         "host_copy_bytes_per_s": bw,
         "copy_limit_s": b.state_bytes / bw,
         "step_s": step_s,
         "window_steps": n,
         **w,
         "setup": f"{' '.join(QUICK_MODEL if quick else MODEL)} (fp32 params + AdamW state), one CPU device; "
-                 "the trainer's Checkpointer (Orbax, keep_latest=1) on local disk; windows of n steps "
-                 "alternate without / with one save at their start (~10 s of training each)",
+        "the trainer's Checkpointer (Orbax, keep_latest=1) on local disk; windows of n steps "
+        "alternate without / with one save at their start (~10 s of training each)",
     }
 
 

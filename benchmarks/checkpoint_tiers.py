@@ -69,12 +69,18 @@ def _tier(b: _Bench, directory: Path, tier: str, n: int, rounds: int) -> dict:
     ck = Checkpointer(directory, CheckpointConfig(keep_latest=1), tier=tier)
     w = _windows(b, ck, n, rounds)
     step = ck.steps()[-1]
-    out = {"ckpt_throughput_ratio": w["ckpt_tokens_per_s"] / w["plain_tokens_per_s"],
-           "blocking_s": w["async_blocking_s"], "write_wait_after_window_s": w["write_wait_after_window_s"],
-           "cpu_time_ratio": w["cpu_time_ratio"], "restore": _restore_s(ck, step, b.spec.abstract),
-           "seal": _seal_cpu_s(ck.step_dir(step)), "directory": str(directory), "sync_save": sync,
-           # The most a ~10 s window on this many cores can keep when a save's CPU work shares them.
-           "cpu_bound_throughput_ratio": 1 - sync["cpu_s"] / (WINDOW_S * os.cpu_count())}
+    out = {
+        "ckpt_throughput_ratio": w["ckpt_tokens_per_s"] / w["plain_tokens_per_s"],
+        "blocking_s": w["async_blocking_s"],
+        "write_wait_after_window_s": w["write_wait_after_window_s"],
+        "cpu_time_ratio": w["cpu_time_ratio"],
+        "restore": _restore_s(ck, step, b.spec.abstract),
+        "seal": _seal_cpu_s(ck.step_dir(step)),
+        "directory": str(directory),
+        "sync_save": sync,
+        # The most a ~10 s window on this many cores can keep when a save's CPU work shares them.
+        "cpu_bound_throughput_ratio": 1 - sync["cpu_s"] / (WINDOW_S * os.cpu_count()),
+    }
     ck.close()
     shutil.rmtree(directory, ignore_errors=True)
     return out
@@ -89,9 +95,11 @@ def measure(work: Path, quick: bool) -> dict:
     n = max(2, round((2.0 if quick else WINDOW_S) / step_s))
     rounds = 1 if quick else 3
     ram = Path("/dev/shm") if Path("/dev/shm").is_dir() else work
-    res = {"durable": _tier(b, work / "durable", "durable", n, rounds),
-           "local_ram_disk": _tier(b, ram / f"trainer-bench-local-{os.getpid()}", "local", n, rounds),
-           "local_disk": _tier(b, work / "local", "local", n, rounds)}
+    res = {
+        "durable": _tier(b, work / "durable", "durable", n, rounds),
+        "local_ram_disk": _tier(b, ram / f"trainer-bench-local-{os.getpid()}", "local", n, rounds),
+        "local_disk": _tier(b, work / "local", "local", n, rounds),
+    }
     local, durable = res["local_ram_disk"], res["durable"]
     return {
         "local_ckpt_throughput_ratio": local["ckpt_throughput_ratio"],
@@ -100,12 +108,18 @@ def measure(work: Path, quick: bool) -> dict:
         "cpu_bound_local": local["cpu_bound_throughput_ratio"],
         "cpu_bound_durable": durable["cpu_bound_throughput_ratio"],
         "targets": {"local_ckpt_throughput_ratio": f">= {TARGET}", "restore_local_vs_durable": "<= 1"},
-        "met": {"local_ckpt_throughput_ratio": local["ckpt_throughput_ratio"] >= TARGET,
-                "restore_local_vs_durable": local["restore"]["total_s"] <= durable["restore"]["total_s"]},
-        "tiers": res, "n_params": b.n_params, "state_bytes": b.state_bytes, "step_s": step_s, "window_steps": n,
+        "met": {
+            "local_ckpt_throughput_ratio": local["ckpt_throughput_ratio"] >= TARGET,
+            "restore_local_vs_durable": local["restore"]["total_s"] <= durable["restore"]["total_s"],
+        },
+        "tiers": res,
+        "n_params": b.n_params,
+        "state_bytes": b.state_bytes,
+        "step_s": step_s,
+        "window_steps": n,
         "setup": f"{' '.join(QUICK_MODEL if quick else MODEL)} (fp32 params + AdamW state), one CPU device; the "
-                 "trainer's Checkpointer per tier (sealing included), keep 1; windows of n steps alternate without /"
-                 " with one save at their start (~10 s each); local tier on /dev/shm (RAM disk) and on the work disk",
+        "trainer's Checkpointer per tier (sealing included), keep 1; windows of n steps alternate without /"
+        " with one save at their start (~10 s each); local tier on /dev/shm (RAM disk) and on the work disk",
     }
 
 

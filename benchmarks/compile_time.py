@@ -31,8 +31,13 @@ def _one(overrides: list[str]) -> dict:
     from trainer.core.step import lower_train_step
 
     mesh = mesh_lib.make_mesh(cfg.mesh)
-    spec = state_lib.build(GPT(cfg.model), optim.make_optimizer(cfg.optim, cfg.train.steps), mesh,
-                           seed=cfg.run.seed, seq_len=cfg.model.seq_len)
+    spec = state_lib.build(
+        GPT(cfg.model),
+        optim.make_optimizer(cfg.optim, cfg.train.steps),
+        mesh,
+        seed=cfg.run.seed,
+        seq_len=cfg.model.seq_len,
+    )
     t0 = time.perf_counter()
     lowered = lower_train_step(spec, mesh, cfg, microbatches=cfg.train.microbatches)
     t1 = time.perf_counter()
@@ -48,10 +53,20 @@ def measure(work: Path, depths: list[int]) -> dict:
             out = work / f"compile-{depth}-{scan}.json"
             overrides = [f"model.n_layers={depth}", f"model.scan={str(scan).lower()}"]
             load = os.getloadavg()[0]
-            harness.run([sys.executable, "-m", "benchmarks.compile_time", "--one", str(out), *overrides],
-                        work / f"compile-{depth}-{scan}.log", timeout=1800)
-            rows.append({"n_layers": depth, "scan": scan, **json.loads(out.read_text()),
-                         "loadavg_before": load, "loadavg_after": os.getloadavg()[0]})
+            harness.run(
+                [sys.executable, "-m", "benchmarks.compile_time", "--one", str(out), *overrides],
+                work / f"compile-{depth}-{scan}.log",
+                timeout=1800,
+            )
+            rows.append(
+                {
+                    "n_layers": depth,
+                    "scan": scan,
+                    **json.loads(out.read_text()),
+                    "loadavg_before": load,
+                    "loadavg_after": os.getloadavg()[0],
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     return {"rows": rows, "cpus": os.cpu_count()}
 

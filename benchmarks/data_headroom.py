@@ -24,8 +24,9 @@ def pipeline_tokens_per_s(*, batch: int, seq_len: int, seconds: float, warmup: i
 
     cfg = load_config(harness.TINY, [f"data.batch_size={batch}", f"model.seq_len={seq_len}", f"data.path={path}"])
     corpus = data.prepare(cfg.data)
-    it = data.make_iterator(cfg.data, corpus=corpus, seq_len=seq_len, steps=10**7, seed=cfg.run.seed,
-                            process=0, processes=1, skips=[])
+    it = data.make_iterator(
+        cfg.data, corpus=corpus, seq_len=seq_len, steps=10**7, seed=cfg.run.seed, process=0, processes=1, skips=[]
+    )
     for _ in range(warmup):
         next(it)
     n, t0 = 0, time.perf_counter()
@@ -33,8 +34,15 @@ def pipeline_tokens_per_s(*, batch: int, seq_len: int, seconds: float, warmup: i
         assert next(it)["tokens"].shape == (batch, seq_len + 1)
         n += 1
     # Counted like the trainer counts them: seq_len trained tokens per row.
-    return {"batches": n, "seconds": dt, "tokens_per_s": n * batch * seq_len / dt, "batch": batch,
-            "seq_len": seq_len, "read_threads": cfg.data.read_threads, "prefetch": cfg.data.prefetch}
+    return {
+        "batches": n,
+        "seconds": dt,
+        "tokens_per_s": n * batch * seq_len / dt,
+        "batch": batch,
+        "seq_len": seq_len,
+        "read_threads": cfg.data.read_threads,
+        "prefetch": cfg.data.prefetch,
+    }
 
 
 def _gpu_124m_consumption() -> float:
@@ -59,8 +67,9 @@ def bpe_shards(work, quick: bool) -> tuple[str, dict]:
     out = work / f"prepared-{spec.replace(':', '')}-{mb:g}mb"
     if not shards.is_prepared(out):
         shutil.rmtree(out, ignore_errors=True)
-        prepare.prepare(prepare.Plan(sources.default_corpus(mb), spec, sources.val_fraction(0.02, "v")), out,
-                        progress="")
+        prepare.prepare(
+            prepare.Plan(sources.default_corpus(mb), spec, sources.val_fraction(0.02, "v")), out, progress=""
+        )
     meta = shards.read(out).meta
     return str(out), {k: meta[k] for k in ("tokenizer", "dtype", "n_tokens", "bytes_per_token")}
 
@@ -80,13 +89,18 @@ def measure(consumed_tokens_per_s: float, quick: bool, work) -> dict:
         "pipeline_tokens_per_s": tiny["tokens_per_s"],
         "trainer_tokens_per_s": consumed_tokens_per_s,
         "pipeline": tiny,
-        "gpu_124m_shape": dict(gpu_shape, modelled_consumption_tokens_per_s=need,
-                               headroom_vs_modelled=gpu_shape["tokens_per_s"] / need),
-        "gpu_124m_shape_bpe": dict(gpu_bpe, prepared=bpe_meta, modelled_consumption_tokens_per_s=need,
-                                   headroom_vs_modelled=gpu_bpe["tokens_per_s"] / need),
+        "gpu_124m_shape": dict(
+            gpu_shape, modelled_consumption_tokens_per_s=need, headroom_vs_modelled=gpu_shape["tokens_per_s"] / need
+        ),
+        "gpu_124m_shape_bpe": dict(
+            gpu_bpe,
+            prepared=bpe_meta,
+            modelled_consumption_tokens_per_s=need,
+            headroom_vs_modelled=gpu_bpe["tokens_per_s"] / need,
+        ),
         "setup": "trainer.core.data.make_iterator with configs/tiny.yaml's data settings (grain; read threads "
-                 "and prefetch as recorded here), drained alone on the host; consumption = the full trainer's "
-                 "steady tokens/s from the step-overhead benchmark",
+        "and prefetch as recorded here), drained alone on the host; consumption = the full trainer's "
+        "steady tokens/s from the step-overhead benchmark",
     }
 
 
@@ -94,8 +108,11 @@ def main(argv: list[str]) -> int:
     args = harness.cli(__doc__.splitlines()[0], argv)
     source = args.input or args.work / "step_overhead.json"
     if not source.is_file():
-        print(f"error: needs the step-overhead result for the trainer's consumption: pass --input FILE "
-              f"(the JSON of `python -m benchmarks.step_overhead --out FILE`); {source} not found", file=sys.stderr)
+        print(
+            f"error: needs the step-overhead result for the trainer's consumption: pass --input FILE "
+            f"(the JSON of `python -m benchmarks.step_overhead --out FILE`); {source} not found",
+            file=sys.stderr,
+        )
         return 2
     consumed = json.loads(source.read_text())["trainer_tokens_per_s"]
     harness.emit(args, measure(consumed, args.quick, args.work))

@@ -13,8 +13,10 @@ from pathlib import Path
 
 from benchmarks import harness
 
-WORDS = ("def class return import self data token shard window epoch batch step loss mesh host seed "
-         "the a of to in is for with as on").split()
+WORDS = (
+    "def class return import self data token shard window epoch batch step loss mesh host seed "
+    "the a of to in is for with as on"
+).split()
 
 
 def code_jsonl(path: Path, mb: float) -> Path:
@@ -36,8 +38,12 @@ def bpe_speed(work: Path, mb: float) -> dict:
         shutil.rmtree(d, ignore_errors=True)
         t0 = time.perf_counter()
         m = prepare.prepare(prepare.Plan(src, "bpe:1024", sources.val_fraction(0.02, "v"), workers), d, progress="")
-        out[f"workers_{workers}"] = {"tokens_per_s": m["tokens_per_s"], "encode_s": m["encode_s"],
-                                     "bpe_training_s": m["tokenizer_s"], "wall_s": time.perf_counter() - t0}
+        out[f"workers_{workers}"] = {
+            "tokens_per_s": m["tokens_per_s"],
+            "encode_s": m["encode_s"],
+            "bpe_training_s": m["tokenizer_s"],
+            "wall_s": time.perf_counter() - t0,
+        }
         out.update(bytes_per_token=m["bytes_per_token"], n_tokens=m["n_tokens"] + m["n_val_tokens"])
     same = all((work / "bpe-w1" / f.name).read_bytes() == f.read_bytes() for f in (work / "bpe-w2").iterdir())
     return dict(out, identical_output=same)
@@ -64,8 +70,10 @@ def startup(work: Path, mb: int) -> dict:
     cache = work / "cache"
     shutil.rmtree(cache, ignore_errors=True)
     timed = {}
-    for name, cfg in (("raw_cold_s", DataConfig(path=str(text), cache_dir=str(cache))),
-                      ("raw_warm_s", DataConfig(path=str(text), cache_dir=str(cache)))):
+    for name, cfg in (
+        ("raw_cold_s", DataConfig(path=str(text), cache_dir=str(cache))),
+        ("raw_warm_s", DataConfig(path=str(text), cache_dir=str(cache))),
+    ):
         t0 = time.perf_counter()
         corpus = data.prepare(cfg)
         timed[name] = time.perf_counter() - t0
@@ -74,16 +82,23 @@ def startup(work: Path, mb: int) -> dict:
     timed["prepared_dir_s"] = time.perf_counter() - t0
     assert again.fingerprint == corpus.fingerprint
     size = sum(p.stat().st_size for p in corpus.dir.iterdir())
-    return dict(timed, text_bytes=sum(p.stat().st_size for p in text.iterdir()), prepared_bytes=size,
-                shards=len(corpus.meta["shards"]), n_tokens=corpus.n_tokens)
+    return dict(
+        timed,
+        text_bytes=sum(p.stat().st_size for p in text.iterdir()),
+        prepared_bytes=size,
+        shards=len(corpus.meta["shards"]),
+        n_tokens=corpus.n_tokens,
+    )
 
 
 def main(argv: list[str]) -> int:
     args = harness.cli(__doc__.splitlines()[0], argv)
-    res = {"bpe": bpe_speed(args.work, 1.0 if args.quick else 4.0),
-           "startup": startup(args.work, 20 if args.quick else 1000),
-           "command": "python -m benchmarks.data_prep" + (" --quick" if args.quick else ""),
-           **harness.provenance()}
+    res = {
+        "bpe": bpe_speed(args.work, 1.0 if args.quick else 4.0),
+        "startup": startup(args.work, 20 if args.quick else 1000),
+        "command": "python -m benchmarks.data_prep" + (" --quick" if args.quick else ""),
+        **harness.provenance(),
+    }
     harness.emit(args, res)
     return 0
 

@@ -25,13 +25,21 @@ def _plan(quick: bool) -> tuple[int, int, list[int]]:
     return every, steps, list(range(every + every // 2, steps, period))
 
 
-def predicted(*, productive_s: float, failures: int, every_steps: int, step_s: float, stall_s: float,
-              restart_s: float) -> dict:
+def predicted(
+    *, productive_s: float, failures: int, every_steps: int, step_s: float, stall_s: float, restart_s: float
+) -> dict:
     """The survival model's useful fraction for this run, with gpus=1 and MTBF = productive time / failures."""
     from trainer.survival.model import Inputs, expectation
 
-    inp = Inputs(gpus=1, mtbf_hours=productive_s / 3600 / max(failures, 1), interval_min=every_steps * step_s / 60,
-                 days=productive_s / 86400, stall_s=stall_s, restart_min=restart_s / 60, mfu=1.0)
+    inp = Inputs(
+        gpus=1,
+        mtbf_hours=productive_s / 3600 / max(failures, 1),
+        interval_min=every_steps * step_s / 60,
+        days=productive_s / 86400,
+        stall_s=stall_s,
+        restart_min=restart_s / 60,
+        mfu=1.0,
+    )
     model = expectation(inp)
     return {"inputs": vars(inp), "model": model, "goodput": 1.0 - model["wasted_fraction"]}
 
@@ -47,8 +55,15 @@ def measure(work: Path, cache: Path, quick: bool) -> dict:
     every, steps, crashes = _plan(quick)
     run_dir = work / "run"
     faults = "[" + ", ".join(f"{{kind: crash, step: {s}}}" for s in crashes) + "]"
-    cmd = harness.trainer_cmd(harness.TINY, run_dir, f"train.steps={steps}", f"checkpoint.every_steps={every}",
-                              f"run.compile_cache={cache}", "log.report=false", f"faults={faults}")
+    cmd = harness.trainer_cmd(
+        harness.TINY,
+        run_dir,
+        f"train.steps={steps}",
+        f"checkpoint.every_steps={every}",
+        f"run.compile_cache={cache}",
+        "log.report=false",
+        f"faults={faults}",
+    )
     wall = harness.run(cmd, work / "run.log", timeout=1200)
     s = harness.summary(run_dir)
     secs = s["goodput"]["seconds"]
@@ -56,8 +71,14 @@ def measure(work: Path, cache: Path, quick: bool) -> dict:
     stall = harness.median([e["blocking_s"] for e in evs if e["event"] == "checkpoint_saved"])
     restart = sum(s["recoveries_s"]) / len(s["recoveries_s"])
     step_s = secs["productive"] / steps  # mean productive step, checkpoint blocking excluded
-    pred = predicted(productive_s=secs["productive"], failures=s["restarts"], every_steps=every, step_s=step_s,
-                     stall_s=stall, restart_s=restart)
+    pred = predicted(
+        productive_s=secs["productive"],
+        failures=s["restarts"],
+        every_steps=every,
+        step_s=step_s,
+        stall_s=stall,
+        restart_s=restart,
+    )
     # The model knows no one-off first start (cold compile) nor the final flush (waiting for the last save
     # to be durable, the params hash): compare the steady part of the run on both sides.
     final_flush = _final_flush(evs)
@@ -81,10 +102,10 @@ def measure(work: Path, cache: Path, quick: bool) -> dict:
         "model": pred,
         "wall_s": wall,
         "setup": f"configs/tiny.yaml supervised, {steps} steps, checkpoint every {every} steps, crash faults at "
-                 f"steps {crashes}; measured = productive / (wall - first start - final flush); predicted = 1 - "
-                 "wasted_fraction of trainer.survival.model.expectation(gpus=1, MTBF = productive time / failures, "
-                 "interval = every_steps x mean step, stall = median checkpoint blocking, restart = mean "
-                 "recovery from summary.json)",
+        f"steps {crashes}; measured = productive / (wall - first start - final flush); predicted = 1 - "
+        "wasted_fraction of trainer.survival.model.expectation(gpus=1, MTBF = productive time / failures, "
+        "interval = every_steps x mean step, stall = median checkpoint blocking, restart = mean "
+        "recovery from summary.json)",
     }
 
 

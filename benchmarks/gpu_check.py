@@ -39,11 +39,29 @@ CFG = harness.ROOT / "configs"
 GPU_RUNS = {
     "gpt2-124m": (CFG / "gpt2-124m.yaml", ["log.every_steps=20"], 200, 50),
     # 1B on one 141 GB H200 at 16 x 2048 tokens, no remat (cuDNN flash attention); retried with save_dots.
-    "gpt-1b": (CFG / "gpt-1b.yaml", ["mesh.fsdp=1", "data.batch_size=16", "train.microbatches=1",
-                                     "model.remat=none", "log.every_steps=10", "checkpoint.keep_latest=1"], 120, 40),
+    "gpt-1b": (
+        CFG / "gpt-1b.yaml",
+        [
+            "mesh.fsdp=1",
+            "data.batch_size=16",
+            "train.microbatches=1",
+            "model.remat=none",
+            "log.every_steps=10",
+            "checkpoint.keep_latest=1",
+        ],
+        120,
+        40,
+    ),
 }
-SMOKE_MODEL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.seq_len=64", "data.batch_size=16",
-               "data.default_corpus_mb=1", "optim.warmup_steps=5"]
+SMOKE_MODEL = [
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.seq_len=64",
+    "data.batch_size=16",
+    "data.default_corpus_mb=1",
+    "optim.warmup_steps=5",
+]
 SMOKE_RUNS = {
     "gpt2-124m": (CFG / "tiny.yaml", SMOKE_MODEL, 20, 5),
     "gpt-1b": (CFG / "tiny.yaml", SMOKE_MODEL + ["model.d_model=128"], 12, 4),
@@ -76,15 +94,28 @@ def copy_bandwidth(nbytes: int) -> dict:
 
     timed()  # warm-up: staging buffers, first transfer
     best = min(timed() for _ in range(3))
-    return {"bytes": n * elems * 4, "seconds": best, "bytes_per_s": n * elems * 4 / best,
-            "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "devices": jax.device_count()}
+    return {
+        "bytes": n * elems * 4,
+        "seconds": best,
+        "bytes_per_s": n * elems * 4 / best,
+        "device": jax.devices()[0].device_kind,
+        "platform": jax.default_backend(),
+        "devices": jax.device_count(),
+    }
 
 
 def _run_model(name: str, spec: tuple, work: Path, cache: Path, bw: float, *, env: dict, retry: list[str]) -> dict:
     config, overrides, steps, every = spec
     run_dir = work / name
-    cmd = harness.trainer_cmd(str(config), run_dir, *overrides, *COMMON, f"train.steps={steps}",
-                              f"checkpoint.every_steps={every}", f"run.compile_cache={cache}")
+    cmd = harness.trainer_cmd(
+        str(config),
+        run_dir,
+        *overrides,
+        *COMMON,
+        f"train.steps={steps}",
+        f"checkpoint.every_steps={every}",
+        f"run.compile_cache={cache}",
+    )
     try:
         wall = harness.run(cmd, work / f"{name}.log", timeout=420, env=env)
     except harness.BenchError as e:
@@ -124,11 +155,19 @@ def _bitwise(spec: tuple, work: Path, cache: Path, env: dict, smoke: bool) -> di
     config, overrides, _, _ = spec
     steps, every = (12, 4) if smoke else (30, 10)
     det_env = env
-    base = [*overrides, *COMMON, f"train.steps={steps}", f"checkpoint.every_steps={every}",
-            f"run.compile_cache={cache}", "supervisor.crash_loop_restarts=2", "run.deterministic=true"]
+    base = [
+        *overrides,
+        *COMMON,
+        f"train.steps={steps}",
+        f"checkpoint.every_steps={every}",
+        f"run.compile_cache={cache}",
+        "supervisor.crash_loop_restarts=2",
+        "run.deterministic=true",
+    ]
     straight = work / "bitwise-straight"
-    harness.run(harness.trainer_cmd(str(config), straight, *base), work / "bitwise-straight.log", timeout=300,
-                env=det_env)
+    harness.run(
+        harness.trainer_cmd(str(config), straight, *base), work / "bitwise-straight.log", timeout=300, env=det_env
+    )
     resumed = work / "bitwise-resumed"
     with harness.Proc(harness.trainer_cmd(str(config), resumed, *base), work / "bitwise-resumed.log", det_env) as p:
         t_kill = recovery.kill_after(p, resumed, every, every + 2)
@@ -144,7 +183,7 @@ def _bitwise(spec: tuple, work: Path, cache: Path, env: dict, smoke: bool) -> di
         "params_sha256_resumed": b["params_sha256"],
         "bitwise_equal": a["params_sha256"] == b["params_sha256"] and all(losses_a[s] == v for s, v in losses_b),
         # Against the 124M run's step time: what deterministic ops cost.
-        "step_s": harness.median([e["step_s"] for e in steps_a[steps // 2:] if not e.get("ckpt_block_s")]),
+        "step_s": harness.median([e["step_s"] for e in steps_a[steps // 2 :] if not e.get("ckpt_block_s")]),
         "restart_warm_cache_s": recovery.split_recovery(harness.events(resumed), t_kill),
     }
     for d in (straight, resumed):
@@ -156,18 +195,34 @@ def _inspect(spec: tuple, work: Path, env: dict, smoke: bool) -> dict:
     """`python -m trainer inspect` of the 1B run as configured above, compiled for this machine's devices."""
     config, overrides, _, _ = spec
     out = work / "inspect_1b.json"
-    cmd = [sys.executable, "-m", "trainer", "inspect", "--config", str(config), "--json",
-           *([] if smoke else ["--devices", "1"]),
-           *[a for o in overrides for a in ("--set", o)]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "inspect",
+        "--config",
+        str(config),
+        "--json",
+        *([] if smoke else ["--devices", "1"]),
+        *[a for o in overrides for a in ("--set", o)],
+    ]
     with open(out, "w") as fh:
-        code = subprocess.run(cmd, cwd=harness.ROOT, stdout=fh, stderr=subprocess.PIPE, text=True, env=env,
-                              timeout=600)
+        code = subprocess.run(cmd, cwd=harness.ROOT, stdout=fh, stderr=subprocess.PIPE, text=True, env=env, timeout=600)
     if code.returncode != 0:
         raise harness.BenchError(f"inspect failed: {code.stderr[-2000:]}")
     r = json.loads(out.read_text())
     r["bytes_per_device"]["peak_gib"] = r["bytes_per_device"]["peak"] / (1 << 30)
-    return {k: r[k] for k in ("platform", "attention", "bytes_per_device", "collective_bytes_total",
-                              "flops_per_device_per_step", "mfu_ceiling")}
+    return {
+        k: r[k]
+        for k in (
+            "platform",
+            "attention",
+            "bytes_per_device",
+            "collective_bytes_total",
+            "flops_per_device_per_step",
+            "mfu_ceiling",
+        )
+    }
 
 
 def _fsdp_vs_data(spec: tuple, work: Path, cache: Path, env: dict, devices: int, smoke: bool) -> dict:
@@ -181,12 +236,24 @@ def _fsdp_vs_data(spec: tuple, work: Path, cache: Path, env: dict, devices: int,
     for name, mesh in (("data", [f"mesh.data={n}", "mesh.fsdp=1"]), ("fsdp", ["mesh.data=1", f"mesh.fsdp={n}"])):
         run_dir = work / f"parallel-{name}"
         extra = ["mesh.cpu_devices=8"] if smoke else []
-        cmd = harness.trainer_cmd(str(config), run_dir, *overrides, *COMMON, *mesh, *extra, f"train.steps={steps}",
-                                  "checkpoint.every_steps=0", f"data.batch_size={8 * n}", f"run.compile_cache={cache}")
+        cmd = harness.trainer_cmd(
+            str(config),
+            run_dir,
+            *overrides,
+            *COMMON,
+            *mesh,
+            *extra,
+            f"train.steps={steps}",
+            "checkpoint.every_steps=0",
+            f"data.batch_size={8 * n}",
+            f"run.compile_cache={cache}",
+        )
         harness.run(cmd, work / f"parallel-{name}.log", timeout=420, env=env)
         warm = [e for e in harness.steps(harness.events(run_dir)) if e["step"] > steps // 2]
-        out[name] = {"tokens_per_s": harness.median([e["tokens_per_s"] for e in warm]),
-                     "mfu": harness.median([e["mfu"] for e in warm if "mfu" in e]) if "mfu" in warm[0] else None}
+        out[name] = {
+            "tokens_per_s": harness.median([e["tokens_per_s"] for e in warm]),
+            "mfu": harness.median([e["mfu"] for e in warm if "mfu" in e]) if "mfu" in warm[0] else None,
+        }
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     out["devices"] = n
     out["fsdp_over_data"] = out["fsdp"]["tokens_per_s"] / out["data"]["tokens_per_s"]
@@ -200,18 +267,30 @@ def check(work: Path, *, smoke: bool, budget_s: float) -> dict:
     cache = work / "compile-cache"
     out_bw = work / "copy_bw.json"
     nbytes = (64 << 20) if smoke else (4 << 30)
-    harness.run([sys.executable, "-m", "benchmarks.gpu_check", "--copy-bw", str(nbytes), str(out_bw)],
-                work / "copy_bw.log", timeout=120, env=env)
+    harness.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--copy-bw", str(nbytes), str(out_bw)],
+        work / "copy_bw.log",
+        timeout=120,
+        env=env,
+    )
     bw = json.loads(out_bw.read_text())
     result: dict = {"measured": not smoke, "device": bw["device"], "platform": bw["platform"], "copy": bw}
     # The 1B MFU is the headline: it runs first, so a slow start cannot push it past the budget.
-    parts = [("gpt-1b", lambda: _run_model("gpt-1b", runs["gpt-1b"], work, cache, bw["bytes_per_s"], env=env,
-                                           retry=["model.remat=save_dots"])),
-             ("gpt2-124m", lambda: _run_model("gpt2-124m", runs["gpt2-124m"], work, cache, bw["bytes_per_s"],
-                                              env=env, retry=[])),
-             ("bitwise_resume", lambda: _bitwise(runs["gpt2-124m"], work, cache, env, smoke)),
-             ("inspect_1b", lambda: _inspect(runs["gpt-1b"], work, env, smoke)),
-             ("fsdp_vs_data", lambda: _fsdp_vs_data(runs["gpt2-124m"], work, cache, env, bw["devices"], smoke))]
+    parts = [
+        (
+            "gpt-1b",
+            lambda: _run_model(
+                "gpt-1b", runs["gpt-1b"], work, cache, bw["bytes_per_s"], env=env, retry=["model.remat=save_dots"]
+            ),
+        ),
+        (
+            "gpt2-124m",
+            lambda: _run_model("gpt2-124m", runs["gpt2-124m"], work, cache, bw["bytes_per_s"], env=env, retry=[]),
+        ),
+        ("bitwise_resume", lambda: _bitwise(runs["gpt2-124m"], work, cache, env, smoke)),
+        ("inspect_1b", lambda: _inspect(runs["gpt-1b"], work, env, smoke)),
+        ("fsdp_vs_data", lambda: _fsdp_vs_data(runs["gpt2-124m"], work, cache, env, bw["devices"], smoke)),
+    ]
     for name, fn in parts:
         if time.time() - t0 > budget_s:
             result[name] = {"skipped": f"time budget of {budget_s:.0f}s spent"}
@@ -224,8 +303,11 @@ def check(work: Path, *, smoke: bool, budget_s: float) -> dict:
     if det and fast:
         result["deterministic_ops_step_time_ratio"] = det / fast
     result["wall_s"] = time.time() - t0
-    result["targets"] = {"mfu_1b": f">= {MFU_TARGET}", "blocking_vs_copy_limit": f"<= {BLOCKING_TARGET}",
-                         "bitwise_resume": "equal"}
+    result["targets"] = {
+        "mfu_1b": f">= {MFU_TARGET}",
+        "blocking_vs_copy_limit": f"<= {BLOCKING_TARGET}",
+        "bitwise_resume": "equal",
+    }
     one_b, small = result.get("gpt-1b", {}), result.get("gpt2-124m", {})
     result["met"] = {
         "mfu_1b": (one_b.get("mfu") or 0) >= MFU_TARGET,
@@ -242,10 +324,15 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu-smoke", action="store_true", help="tiny models on CPU: exercises every step of the script")
     p.add_argument("--work", type=Path, default=Path(f"/tmp/trainer-gpu-check-{os.getpid()}"))
-    p.add_argument("--out", type=Path, default=None,
-                   help="result JSON (default: benchmarks/results/gpu.json on a GPU, stdout only with --cpu-smoke)")
-    p.add_argument("--budget-s", type=float, default=450.0,
-                   help="skip the remaining parts once this much time is spent")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="result JSON (default: benchmarks/results/gpu.json on a GPU, stdout only with --cpu-smoke)",
+    )
+    p.add_argument(
+        "--budget-s", type=float, default=450.0, help="skip the remaining parts once this much time is spent"
+    )
     args = p.parse_args(argv)
     if args.cpu_smoke:
         os.environ["JAX_PLATFORMS"] = "cpu"

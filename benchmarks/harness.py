@@ -44,8 +44,9 @@ class Proc:
         self.log = log
         self.t_launch = time.time()
         with open(log, "ab") as fh:
-            self.popen = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
-                                          env=env or child_env(), start_new_session=True)
+            self.popen = subprocess.Popen(
+                cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env or child_env(), start_new_session=True
+            )
 
     def wait(self, timeout: float) -> int:
         try:
@@ -109,8 +110,7 @@ def heartbeat(run_dir: Path) -> dict | None:
         return None
 
 
-def wait_for(what: str, cond: Callable[[], object], *, timeout: float, proc: Proc | None = None,
-             poll_s: float = 0.05):
+def wait_for(what: str, cond: Callable[[], object], *, timeout: float, proc: Proc | None = None, poll_s: float = 0.05):
     """Poll until cond() is truthy; fail early when the process we watch has died."""
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -147,14 +147,22 @@ def median(xs: list[float]) -> float:
 
 def machine() -> dict:
     info = Path("/proc/cpuinfo")
-    names = [line.split(":", 1)[1].strip() for line in (info.read_text().splitlines() if info.is_file() else [])
-             if line.startswith("model name")]
+    names = [
+        line.split(":", 1)[1].strip()
+        for line in (info.read_text().splitlines() if info.is_file() else [])
+        if line.startswith("model name")
+    ]
     cpu = names[0] if names else platform.processor()
     import psutil
 
-    return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
-            "memory_gb": round(psutil.virtual_memory().total / 2**30, 1), "python": platform.python_version(),
-            "gpu": gpus()}
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "gpu": gpus(),
+    }
 
 
 def gpus() -> list[str]:
@@ -195,8 +203,13 @@ def cli(description: str, argv: list[str] | None = None, *, sets: bool = False) 
     --set KEY=VALUE for benchmarks that run the trainer (what a component costs: switch it off)."""
     p = argparse.ArgumentParser(description=description)
     if sets:
-        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="config override for the trainer's runs, e.g. checkpoint.every_steps=0")
+        p.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="config override for the trainer's runs, e.g. checkpoint.every_steps=0",
+        )
     p.add_argument("--quick", action="store_true", help="few steps: checks the benchmark runs, numbers mean little")
     p.add_argument("--work", type=Path, default=None, help="scratch dir for run dirs and logs (default: a tmp dir)")
     p.add_argument("--out", type=Path, default=None, help="write the result JSON here (default: stdout only)")

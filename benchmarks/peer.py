@@ -24,9 +24,20 @@ from pathlib import Path
 from benchmarks import harness
 
 PEER = harness.ROOT.parent / "shared" / "peer" / "nanodo"  # bench_nanodo.py and its import stubs (--peer-dir)
-OURS = ["model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.d_ff=1024", "model.seq_len=256",
-        "model.vocab_size=384", "model.compute_dtype=bfloat16", "data.batch_size=16", "checkpoint.every_steps=0",
-        "run.compile_cache=", "log.progress=false", "log.report=false"]
+OURS = [
+    "model.d_model=256",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "model.d_ff=1024",
+    "model.seq_len=256",
+    "model.vocab_size=384",
+    "model.compute_dtype=bfloat16",
+    "data.batch_size=16",
+    "checkpoint.every_steps=0",
+    "run.compile_cache=",
+    "log.progress=false",
+    "log.report=false",
+]
 ONE = ["mesh.cpu_devices=1", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]
 SETTINGS = {  # name -> (our overrides, nanodo's device count or None: ours only)
     "1dev": (ONE, 1),
@@ -44,14 +55,26 @@ SETTINGS = {  # name -> (our overrides, nanodo's device count or None: ours only
 # ratio -> (numerator, denominator, its row in peer.md), in table order
 RATIOS = {
     "ours_over_nanodo_1dev": ("ours_1dev", "nanodo_1dev", "1 device, bf16"),
-    "ours_unrolled_over_nanodo_1dev": ("ours_1dev_unrolled", "nanodo_1dev",
-                                       "1 device, bf16, ours unrolled (`model.scan=false`)"),
-    "ours_save_dots_over_nanodo_1dev": ("ours_1dev_save_dots", "nanodo_1dev",
-                                        "1 device, bf16, ours scanned with `model.remat=save_dots`"),
-    "ours_nobias_over_nanodo_1dev": ("ours_1dev_nobias", "nanodo_1dev",
-                                     "1 device, bf16, ours without biases (`model.bias=false`), as nanodo"),
-    "ours_unrolled_nobias_over_nanodo_1dev": ("ours_1dev_unrolled_nobias", "nanodo_1dev",
-                                              "1 device, bf16, ours unrolled and without biases, as nanodo"),
+    "ours_unrolled_over_nanodo_1dev": (
+        "ours_1dev_unrolled",
+        "nanodo_1dev",
+        "1 device, bf16, ours unrolled (`model.scan=false`)",
+    ),
+    "ours_save_dots_over_nanodo_1dev": (
+        "ours_1dev_save_dots",
+        "nanodo_1dev",
+        "1 device, bf16, ours scanned with `model.remat=save_dots`",
+    ),
+    "ours_nobias_over_nanodo_1dev": (
+        "ours_1dev_nobias",
+        "nanodo_1dev",
+        "1 device, bf16, ours without biases (`model.bias=false`), as nanodo",
+    ),
+    "ours_unrolled_nobias_over_nanodo_1dev": (
+        "ours_1dev_unrolled_nobias",
+        "nanodo_1dev",
+        "1 device, bf16, ours unrolled and without biases, as nanodo",
+    ),
     "ours_fsdp8_over_nanodo_fsdp8": ("ours_fsdp8", "nanodo_fsdp8", "8 devices: ours fsdp=8 vs nanodo FSDP 8"),
     "ours_data8_over_nanodo_fsdp8": ("ours_data8", "nanodo_fsdp8", "8 devices: ours data=8 vs nanodo FSDP 8"),
     "ours_fsdp8_over_ours_data8": ("ours_fsdp8", "ours_data8", "ours fsdp=8 / ours data=8"),
@@ -74,11 +97,19 @@ def _nanodo(work: Path, name: str, devices: int, steps: int, src: Path, python: 
     env = harness.child_env(PYTHONPATH=f"{peer / 'stubs'}:{src}", JAX_PLATFORMS="cpu")
     if devices > 1:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    wall = harness.run([python, str(peer / "bench_nanodo.py"), "--steps", str(steps), "--out", str(out)],
-                       work / f"nanodo-{name}.log", timeout=900, env=env)
+    wall = harness.run(
+        [python, str(peer / "bench_nanodo.py"), "--steps", str(steps), "--out", str(out)],
+        work / f"nanodo-{name}.log",
+        timeout=900,
+        env=env,
+    )
     r = json.loads(out.read_text())
-    return {"tokens_per_s": statistics.median(r["tokens_per_s"][5:]), "first_step_s": r["first_step_s"],
-            "wall_s": wall, "param_specs": r["param_specs"]}
+    return {
+        "tokens_per_s": statistics.median(r["tokens_per_s"][5:]),
+        "first_step_s": r["first_step_s"],
+        "wall_s": wall,
+        "param_specs": r["param_specs"],
+    }
 
 
 def _timed(fn, *args) -> dict:
@@ -88,8 +119,7 @@ def _timed(fn, *args) -> dict:
     return dict(out, loadavg_before=before, loadavg_after=os.getloadavg()[0], started=t)
 
 
-def measure(work: Path, *, rounds: int, steps: int, src: Path, python: str, peer: Path,
-            settings: list[str]) -> dict:
+def measure(work: Path, *, rounds: int, steps: int, src: Path, python: str, peer: Path, settings: list[str]) -> dict:
     runs: list[dict] = []
     for r in range(rounds):
         for name in settings:
@@ -99,8 +129,11 @@ def measure(work: Path, *, rounds: int, steps: int, src: Path, python: str, peer
                 if who == "nanodo" and peer_devices is None:
                     continue
                 tag = f"{name}-r{r}"
-                rec = _timed(_ours, work, tag, mesh, steps) if who == "ours" else \
-                    _timed(_nanodo, work, tag, peer_devices, steps, src, python, peer)
+                rec = (
+                    _timed(_ours, work, tag, mesh, steps)
+                    if who == "ours"
+                    else _timed(_nanodo, work, tag, peer_devices, steps, src, python, peer)
+                )
                 runs.append({"round": r, "setting": name, "who": who, **rec})
                 print(json.dumps(runs[-1]), flush=True)
     return {"runs": runs, **summarize(runs)}
@@ -121,10 +154,13 @@ def render(result: dict) -> str:
     med, rat = result["median_tokens_per_s"], result["ratios"]
     loads = [x["loadavg_before"] for x in result["runs"]] + [x["loadavg_after"] for x in result["runs"]]
     lines = [
-        "# Peer: ours vs nanodo at the same dims", "",
+        "# Peer: ours vs nanodo at the same dims",
+        "",
         f"`{result['command']}` — {len(result['runs'])} runs, 1-min load average {min(loads):.2f} .. "
-        f"{max(loads):.2f} on {os.cpu_count()} CPUs (per run in peer.json)", "",
-        "| setting | ours tok/s | nanodo tok/s | ratio |", "|---|---|---|---|",
+        f"{max(loads):.2f} on {os.cpu_count()} CPUs (per run in peer.json)",
+        "",
+        "| setting | ours tok/s | nanodo tok/s | ratio |",
+        "|---|---|---|---|",
     ]
     for r, (a, b, label) in RATIOS.items():
         if r in rat:  # tok/s columns for the rows against nanodo; ours vs ours shows the ratio alone
@@ -145,14 +181,26 @@ def main(argv: list[str]) -> int:
     p.add_argument("--peer-dir", type=Path, default=PEER, help="the shared peer harness (bench_nanodo.py, stubs/)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=35)
-    p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
-                   help="run only these settings (default: all)")
+    p.add_argument(
+        "--settings",
+        nargs="+",
+        choices=list(SETTINGS),
+        default=list(SETTINGS),
+        help="run only these settings (default: all)",
+    )
     p.add_argument("--work", type=Path, default=Path(f"/tmp/trainer-peer-{os.getpid()}"))
     p.add_argument("--out", type=Path, default=harness.ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
-    result = measure(args.work, rounds=args.rounds, steps=args.steps, src=args.nanodo_src,
-                     python=args.nanodo_python, peer=args.peer_dir, settings=args.settings)
+    result = measure(
+        args.work,
+        rounds=args.rounds,
+        steps=args.steps,
+        src=args.nanodo_src,
+        python=args.nanodo_python,
+        peer=args.peer_dir,
+        settings=args.settings,
+    )
     result["command"] = " ".join(["python -m benchmarks.peer", *argv])
     result.update(harness.provenance())
     args.out.mkdir(parents=True, exist_ok=True)

@@ -48,13 +48,15 @@ def _phases(evs: list[dict], t0: float, loaded: dict, out: dict) -> dict:
     load_start = loaded["time"] - loaded["seconds"]
     compile_start = compiled["time"] - compiled["seconds"]
     out = dict(out)
-    out.update({
-        "process_start": load_start - t0,
-        loaded["event"]: loaded["seconds"],
-        "other_setup": compile_start - loaded["time"],
-        "compile": compiled["seconds"],
-        "first_step": first["time"] - compiled["time"],
-    })
+    out.update(
+        {
+            "process_start": load_start - t0,
+            loaded["event"]: loaded["seconds"],
+            "other_setup": compile_start - loaded["time"],
+            "compile": compiled["seconds"],
+            "first_step": first["time"] - compiled["time"],
+        }
+    )
     out["total"] = sum(out.values())
     out["first_step_number"] = first["step"]
     return out
@@ -64,8 +66,13 @@ def kill_after(proc: harness.Proc, run_dir: Path, ckpt_step: int, past: int) -> 
     """SIGKILL the worker once checkpoint `ckpt_step` is committed and the run is past step `past`."""
     committed = run_dir / "checkpoints" / str(ckpt_step)
     harness.wait_for(f"checkpoint {ckpt_step}", committed.is_dir, timeout=600, proc=proc)
-    hb = harness.wait_for(f"step {past}", lambda: (h := harness.heartbeat(run_dir)) and h["phase"] == "step"
-                          and h["step"] >= past and h, timeout=600, proc=proc, poll_s=0.01)
+    hb = harness.wait_for(
+        f"step {past}",
+        lambda: (h := harness.heartbeat(run_dir)) and h["phase"] == "step" and h["step"] >= past and h,
+        timeout=600,
+        proc=proc,
+        poll_s=0.01,
+    )
     t = time.time()
     os.kill(hb["pid"], signal.SIGKILL)
     return t
@@ -79,8 +86,14 @@ def measure(work: Path, cache: Path, quick: bool) -> dict:
     steps = kills[-1][1] + 4
     shutil.rmtree(cache, ignore_errors=True)
     run_dir = work / "run"
-    cmd = harness.trainer_cmd(harness.TINY, run_dir, f"train.steps={steps}", f"checkpoint.every_steps={every}",
-                              f"run.compile_cache={cache}", "log.report=false")
+    cmd = harness.trainer_cmd(
+        harness.TINY,
+        run_dir,
+        f"train.steps={steps}",
+        f"checkpoint.every_steps={every}",
+        f"run.compile_cache={cache}",
+        "log.report=false",
+    )
     t_kills = []
     with harness.Proc(cmd, work / "run.log") as proc:
         t_launch = proc.t_launch
@@ -103,10 +116,10 @@ def measure(work: Path, cache: Path, quick: bool) -> dict:
         "cold_start_s": cold,
         "recoveries_s": recoveries,
         "setup": f"configs/tiny.yaml supervised, checkpoint every {every} steps, fresh run.compile_cache dir "
-                 f"(cold = first start with an empty cache; the tokenized corpus is cached per machine); "
-                 f"worker SIGKILLed from outside {len(kills)}x, each time 2 steps after a committed checkpoint; "
-                 "supervisor defaults (poll 0.5 s; a failure at a new step restarts at once, "
-                 "repeats back off from 1 s)",
+        f"(cold = first start with an empty cache; the tokenized corpus is cached per machine); "
+        f"worker SIGKILLed from outside {len(kills)}x, each time 2 steps after a committed checkpoint; "
+        "supervisor defaults (poll 0.5 s; a failure at a new step restarts at once, "
+        "repeats back off from 1 s)",
     }
 
 

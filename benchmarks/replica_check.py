@@ -36,17 +36,25 @@ def _one(overrides: list[str], reps: int) -> dict:
     for _ in range(reps):
         assert check.check(b.state["params"]) is None
     check_s = (time.perf_counter() - t0) / reps
-    return {"n_params": b.n_params, "step_s": step_s, "check_s": check_s, "check_vs_step": check_s / step_s,
-            f"overhead_per_step_at_{INTERVAL}": check_s / (INTERVAL * step_s)}
+    return {
+        "n_params": b.n_params,
+        "step_s": step_s,
+        "check_s": check_s,
+        "check_vs_step": check_s / step_s,
+        f"overhead_per_step_at_{INTERVAL}": check_s / (INTERVAL * step_s),
+    }
 
 
 def measure(quick: bool) -> dict:
     out = {name: _one(over, 3 if quick else 10) for name, over in MODELS.items() if not (quick and name != "tiny")}
     overhead = out["tiny"][f"overhead_per_step_at_{INTERVAL}"]
-    return {f"replica_check_overhead_at_{INTERVAL}": overhead, "models": out,
-            "met": {f"replica_check_overhead_at_{INTERVAL}": overhead <= 0.01},
-            "setup": f"8 fake CPU devices, mesh {' '.join(MESH)}; compiled train step over pre-loaded batches vs "
-                     "trainer.core.integrity.ReplicaCheck.check (jitted per-device fingerprints, gathered, compared)"}
+    return {
+        f"replica_check_overhead_at_{INTERVAL}": overhead,
+        "models": out,
+        "met": {f"replica_check_overhead_at_{INTERVAL}": overhead <= 0.01},
+        "setup": f"8 fake CPU devices, mesh {' '.join(MESH)}; compiled train step over pre-loaded batches vs "
+        "trainer.core.integrity.ReplicaCheck.check (jitted per-device fingerprints, gathered, compared)",
+    }
 
 
 def main(argv: list[str]) -> int:

@@ -37,8 +37,11 @@ HEADLINES = {
     "step_overhead_ratio": ("step_overhead", ">= 0.97", "bare jitted loop, same model/batch/mesh, pre-loaded data"),
     "ckpt_blocking_vs_sync": ("checkpoint_cost", "<= 0.05", "synchronous save of the same 101M-param state"),
     "ckpt_throughput_ratio": ("checkpoint_cost", ">= 0.97", "same loop without checkpoints"),
-    "local_ckpt_throughput_ratio": ("checkpoint_tiers", ">= 0.97", "same loop without checkpoints; local tier "
-                                    "(RAM disk, uncompressed) save per ~10 s window, sealing included"),
+    "local_ckpt_throughput_ratio": (
+        "checkpoint_tiers",
+        ">= 0.97",
+        "same loop without checkpoints; local tier (RAM disk, uncompressed) save per ~10 s window, sealing included",
+    ),
     "restore_local_vs_durable": ("checkpoint_tiers", "<= 1", "restore (verify + read) of the durable tier"),
     "replica_check_overhead_at_10": ("replica_check", "<= 0.01", "train step time, tiny config, check every 10"),
     "recovery_vs_cold": ("recovery", "<= 0.5", "cold start (empty compilation cache) to first step"),
@@ -66,18 +69,37 @@ def _gpu(work: Path, quick: bool) -> tuple[object, dict | None]:
     "not measured" plus the CPU smoke run of the same script."""
     saved = RESULTS / "gpu.json"
     if harness.gpus() and not quick:
-        harness.run([sys.executable, "benchmarks/gpu_check.py", "--work", str(work / "gpu"), "--out", str(saved)],
-                    work / "gpu_check.log", timeout=600)
+        harness.run(
+            [sys.executable, "benchmarks/gpu_check.py", "--work", str(work / "gpu"), "--out", str(saved)],
+            work / "gpu_check.log",
+            timeout=600,
+        )
         return json.loads(saved.read_text()), None
     out = work / "gpu_smoke.json"
     t0 = time.time()
     try:
-        harness.run([sys.executable, "benchmarks/gpu_check.py", "--cpu-smoke", "--work", str(work / "gpu-smoke"),
-                     "--out", str(out)], work / "gpu_smoke.log", timeout=600)
+        harness.run(
+            [
+                sys.executable,
+                "benchmarks/gpu_check.py",
+                "--cpu-smoke",
+                "--work",
+                str(work / "gpu-smoke"),
+                "--out",
+                str(out),
+            ],
+            work / "gpu_smoke.log",
+            timeout=600,
+        )
         smoke = json.loads(out.read_text())
         errors = [k for k, v in smoke.items() if isinstance(v, dict) and ("error" in v or "skipped" in v)]
-        smoke_summary = {"passed": not errors, "failed_parts": errors, "wall_s": time.time() - t0,
-                         "bitwise_equal": smoke.get("bitwise_resume", {}).get("bitwise_equal"), "details": smoke}
+        smoke_summary = {
+            "passed": not errors,
+            "failed_parts": errors,
+            "wall_s": time.time() - t0,
+            "bitwise_equal": smoke.get("bitwise_resume", {}).get("bitwise_equal"),
+            "details": smoke,
+        }
     except harness.BenchError as e:
         smoke_summary = {"passed": False, "error": str(e)[-2000:], "wall_s": time.time() - t0}
     if saved.is_file() and json.loads(saved.read_text()).get("measured"):
@@ -107,8 +129,12 @@ def collect(work: Path, *, quick: bool, only: set[str] | None) -> dict:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="few steps each: checks the suite runs (numbers mean little)")
-    p.add_argument("--only", action="append", default=None,
-                   help=f"run only these (repeatable): {', '.join(k for k, _, _ in BENCHMARKS)}, gpu")
+    p.add_argument(
+        "--only",
+        action="append",
+        default=None,
+        help=f"run only these (repeatable): {', '.join(k for k, _, _ in BENCHMARKS)}, gpu",
+    )
     p.add_argument("--out", type=Path, default=RESULTS, help="where results.json and results.md go")
     p.add_argument("--work", type=Path, default=None, help="scratch dir (default: a tmp dir, removed afterwards)")
     args = p.parse_args(argv)
@@ -117,8 +143,13 @@ def main(argv: list[str]) -> int:
     t0 = time.time()
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     res = collect(work, quick=args.quick, only=set(args.only) if args.only else None)
-    res.update(command=" ".join(["python -m benchmarks.run_all", *argv]), started_utc=started,
-               duration_s=round(time.time() - t0, 1), quick=args.quick, **harness.provenance())
+    res.update(
+        command=" ".join(["python -m benchmarks.run_all", *argv]),
+        started_utc=started,
+        duration_s=round(time.time() - t0, 1),
+        quick=args.quick,
+        **harness.provenance(),
+    )
     from benchmarks import table
 
     args.out.mkdir(parents=True, exist_ok=True)

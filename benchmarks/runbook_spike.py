@@ -19,8 +19,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def write_corpora(root: Path, *, batch_tokens: int, text_bytes: int, garbage_at: int, garbage_batches: int,
-                  seed: int = 0) -> tuple[Path, Path, list[int]]:
+def write_corpora(
+    root: Path, *, batch_tokens: int, text_bytes: int, garbage_at: int, garbage_batches: int, seed: int = 0
+) -> tuple[Path, Path, list[int]]:
     """root/clean and root/spiked hold the same Python-stdlib text; spiked has `garbage_batches` batches of
     random bytes inserted at data batch `garbage_at`, aligned to batch boundaries (byte tokenizer,
     sequential order: batch b reads tokens [b * batch_tokens, (b + 1) * batch_tokens]). Returns the clean
@@ -56,8 +57,16 @@ def _events(run_dir: Path) -> list[dict]:
 
 
 def _train(config: str, run_dir: Path, overrides: list[str]) -> int:
-    cmd = [sys.executable, "-m", "trainer", "--config", config, "--set", f"run.dir={run_dir}",
-           *[a for o in overrides for a in ("--set", o)]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "--config",
+        config,
+        "--set",
+        f"run.dir={run_dir}",
+        *[a for o in overrides for a in ("--set", o)],
+    ]
     return subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
 
 
@@ -66,9 +75,13 @@ def main() -> int:
     ap.add_argument("--config", default=str(ROOT / "configs" / "tiny.yaml"))
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--out", default="runs/runbook_spike")
-    ap.add_argument("--garbage-at", type=int, default=149,
-                    help="first data batch of the garbage region (149: step 150 reads it, and the checkpoint of "
-                         "step 150 already holds its update, so the rewind has to move it aside)")
+    ap.add_argument(
+        "--garbage-at",
+        type=int,
+        default=149,
+        help="first data batch of the garbage region (149: step 150 reads it, and the checkpoint of "
+        "step 150 already holds its update, so the rewind has to move it aside)",
+    )
     ap.add_argument("--garbage-batches", type=int, default=3)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -77,9 +90,13 @@ def main() -> int:
     cfg = load_config(args.config, args.set)
     out = Path(args.out).absolute()
     batch_tokens = cfg.data.batch_size * cfg.model.seq_len
-    clean, spiked, bad = write_corpora(out / "data", batch_tokens=batch_tokens,
-                                       text_bytes=(cfg.train.steps + 10) * batch_tokens,
-                                       garbage_at=args.garbage_at, garbage_batches=args.garbage_batches)
+    clean, spiked, bad = write_corpora(
+        out / "data",
+        batch_tokens=batch_tokens,
+        text_bytes=(cfg.train.steps + 10) * batch_tokens,
+        garbage_at=args.garbage_at,
+        garbage_batches=args.garbage_batches,
+    )
     print(f"garbage region: data batches {bad[0]}-{bad[-1]} (steps {bad[0] + 1}-{bad[-1] + 1} in sequential order)")
     rows = {}
     for name, data in (("clean", clean), ("spiked", spiked)):
@@ -93,8 +110,10 @@ def main() -> int:
             if e["event"] in ("spike_detected", "spike_exit", "rewind", "skip", "soften", "runbook_gave_up"):
                 print("  " + json.dumps({k: v for k, v in e.items() if k not in ("time", "by")}))
     if rows.get("clean") and rows.get("spiked"):
-        print(f"\nfinal loss clean {rows['clean']:.4f}  spiked+runbook {rows['spiked']:.4f}  "
-              f"ratio {rows['spiked'] / rows['clean']:.4f}")
+        print(
+            f"\nfinal loss clean {rows['clean']:.4f}  spiked+runbook {rows['spiked']:.4f}  "
+            f"ratio {rows['spiked'] / rows['clean']:.4f}"
+        )
     return 0
 
 

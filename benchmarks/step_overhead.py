@@ -59,13 +59,26 @@ def _bare_setup(compile_cache: str):
 
     worker.setup_compile_cache(cfg.run.compile_cache)
     mesh = mesh_lib.make_mesh(cfg.mesh)
-    spec = state_lib.build(GPT(cfg.model), optim.make_optimizer(cfg.optim, cfg.train.steps), mesh,
-                           seed=cfg.run.seed, seq_len=cfg.model.seq_len)
+    spec = state_lib.build(
+        GPT(cfg.model),
+        optim.make_optimizer(cfg.optim, cfg.train.steps),
+        mesh,
+        seed=cfg.run.seed,
+        seq_len=cfg.model.seq_len,
+    )
     bsh = mesh_lib.batch_sharding(mesh)
     compiled = lower_train_step(spec, mesh, cfg, microbatches=cfg.train.microbatches).compile()
     corpus = data.prepare(cfg.data)
-    it = data.make_iterator(cfg.data, corpus=corpus, seq_len=cfg.model.seq_len, steps=cfg.train.steps,
-                            seed=cfg.run.seed, process=0, processes=1, skips=[])
+    it = data.make_iterator(
+        cfg.data,
+        corpus=corpus,
+        seq_len=cfg.model.seq_len,
+        steps=cfg.train.steps,
+        seed=cfg.run.seed,
+        process=0,
+        processes=1,
+        skips=[],
+    )
     # Real batches, placed on the devices before the clock starts: the loop never waits for input.
     batches = [jax.make_array_from_process_local_data(bsh, next(it)["tokens"]) for _ in range(8)]
     return cfg, compiled, spec.init(), batches
@@ -100,8 +113,15 @@ def bare_loop(warmup: int, compile_cache: str, out: Path) -> None:
     os.kill(os.getpid(), signal.SIGSTOP)  # the first slice wakes it
     c0, done = time.process_time(), []
     _two_in_flight(compiled, st, batches, lambda i: not stop, done)
-    out.write_text(json.dumps({"done": done, "cpu_s": time.process_time() - c0,
-                               "tokens_per_step": cfg.data.batch_size * cfg.model.seq_len}))
+    out.write_text(
+        json.dumps(
+            {
+                "done": done,
+                "cpu_s": time.process_time() - c0,
+                "tokens_per_step": cfg.data.batch_size * cfg.model.seq_len,
+            }
+        )
+    )
 
 
 def _tree(proc: harness.Proc) -> list:
@@ -144,8 +164,9 @@ def measure(work: Path, cache: Path, quick: bool, overrides: tuple[str, ...] = (
     ratio = full_rate / bare_rate  # pooled steps/s; tokens per step are equal on both sides
     full_med = harness.median([d for r in runs for d in r["full"].pop("in_slice_s")])
     bare_med = harness.median([d for r in runs for d in r["bare"].pop("in_slice_s")])
-    cpu = {side: sum(r[side]["cpu_s"] for r in runs) / sum(r[side]["cpu_steps"] for r in runs)
-           for side in ("full", "bare")}
+    cpu = {
+        side: sum(r[side]["cpu_s"] for r in runs) / sum(r[side]["cpu_steps"] for r in runs) for side in ("full", "bare")
+    }
     tok = runs[0]["tokens_per_step"]
     save = "" if quick else ", holding the periodic save at 100, not the first at 50"
     return {
@@ -167,11 +188,11 @@ def measure(work: Path, cache: Path, quick: bool, overrides: tuple[str, ...] = (
         "window_steps": n,
         "overrides": list(overrides),
         "setup": "configs/tiny.yaml (1.9M params, 8 fake CPU devices, mesh 2x2x2, batch 16 x 128), "
-                 "supervised, health/alerts/TensorBoard/progress/report on, checkpoint every 50 steps "
-                 f"(window = steps {warmup + 1}-{warmup + n}{save}); "
-                 "bare = the same compiled step over 8 pre-loaded device batches, two steps in flight, nothing "
-                 f"else; each pair of processes runs in alternating {slice_s:g} s slices (SIGSTOP/SIGCONT), "
-                 f"each side timed on its own running time; {len(runs)} pair(s), pooled",
+        "supervised, health/alerts/TensorBoard/progress/report on, checkpoint every 50 steps "
+        f"(window = steps {warmup + 1}-{warmup + n}{save}); "
+        "bare = the same compiled step over 8 pre-loaded device batches, two steps in flight, nothing "
+        f"else; each pair of processes runs in alternating {slice_s:g} s slices (SIGSTOP/SIGCONT), "
+        f"each side timed on its own running time; {len(runs)} pair(s), pooled",
     }
 
 
@@ -184,17 +205,22 @@ def _pair(work: Path, cache: Path, warmup: int, n: int, slice_s: float, override
     run_dir = work / "full"
     # Steps past the window: the final save (a once-per-run event) stays outside it, and the trainer is still
     # running (its CPU readable) when the slices end.
-    full_cmd = harness.trainer_cmd(harness.TINY, run_dir, f"train.steps={warmup + n + TAIL}",
-                                   f"run.compile_cache={cache}", *overrides)
+    full_cmd = harness.trainer_cmd(
+        harness.TINY, run_dir, f"train.steps={warmup + n + TAIL}", f"run.compile_cache={cache}", *overrides
+    )
     slices: dict[str, list[tuple[float, float]]] = {"bare": [], "full": []}
     with harness.Proc(bare_cmd, work / "bare.log") as bare:
         # The bare side compiles first (filling the cache the trainer then hits) and stops itself.
         harness.wait_for("the bare loop's warm-up", lambda: out.with_suffix(".ready").exists(), timeout=600, proc=bare)
         with harness.Proc(full_cmd, work / "full.log") as full:
             # The trainer warms up alone; the slices start a few steps before its window.
-            harness.wait_for(f"trainer step {warmup - 5}", lambda: (h := harness.heartbeat(run_dir)) and
-                             h["phase"] == "step" and h["step"] >= max(warmup - 5, 0), timeout=600, proc=full,
-                             poll_s=0.02)
+            harness.wait_for(
+                f"trainer step {warmup - 5}",
+                lambda: (h := harness.heartbeat(run_dir)) and h["phase"] == "step" and h["step"] >= max(warmup - 5, 0),
+                timeout=600,
+                proc=full,
+                poll_s=0.02,
+            )
             sides = {"bare": _tree(bare), "full": _tree(full)}
             _signal(sides["full"], signal.SIGSTOP)
             cpu0 = {k: {p.pid: harness.cpu_seconds([p.pid]) for p in v} for k, v in sides.items()}
@@ -229,18 +255,30 @@ def _pair(work: Path, cache: Path, warmup: int, n: int, slice_s: float, override
     return {
         "ratio": (n / full_s) / ((len(done) - 1) / bare_s),
         "tokens_per_step": b["tokens_per_step"],
-        "full": {"steps": n, "running_s": full_s, "in_slice_s": in_one_slice(times, slices["full"]),
-                 "step_running_s": [running_s(a, b, slices["full"]) for a, b in zip(times, times[1:])],
-                 # the steps that saved (a save's step event carries its blocking): their running seconds
-                 "save_step_s": [running_s(times[i - 1], times[i], slices["full"])
-                                 for i in range(1, len(window)) if window[i].get("ckpt_block_s")],
-                 "data_wait_s_total": sum(e["data_wait_s"] for e in window[1:]),  # wall: a stop inside a read counts
-                 # CPU over the whole slicing, per step event in it (+-1 step at the two ends)
-                 "cpu_s": cpu["full"], "cpu_steps": sum(1 for e in evs if during[0] <= e["time"] <= during[1])},
-        "bare": {"steps": len(done) - 1, "running_s": bare_s, "in_slice_s": in_one_slice(done, slices["bare"]),
-                 "cpu_s": b["cpu_s"], "cpu_steps": len(b["done"])},
-        "slices": {"count_each": len(slices["full"]), "wall_s": slices["full"][-1][1] - slices["bare"][0][0],
-                   **slices},
+        "full": {
+            "steps": n,
+            "running_s": full_s,
+            "in_slice_s": in_one_slice(times, slices["full"]),
+            "step_running_s": [running_s(a, b, slices["full"]) for a, b in zip(times, times[1:])],
+            # the steps that saved (a save's step event carries its blocking): their running seconds
+            "save_step_s": [
+                running_s(times[i - 1], times[i], slices["full"])
+                for i in range(1, len(window))
+                if window[i].get("ckpt_block_s")
+            ],
+            "data_wait_s_total": sum(e["data_wait_s"] for e in window[1:]),  # wall: a stop inside a read counts
+            # CPU over the whole slicing, per step event in it (+-1 step at the two ends)
+            "cpu_s": cpu["full"],
+            "cpu_steps": sum(1 for e in evs if during[0] <= e["time"] <= during[1]),
+        },
+        "bare": {
+            "steps": len(done) - 1,
+            "running_s": bare_s,
+            "in_slice_s": in_one_slice(done, slices["bare"]),
+            "cpu_s": b["cpu_s"],
+            "cpu_steps": len(b["done"]),
+        },
+        "slices": {"count_each": len(slices["full"]), "wall_s": slices["full"][-1][1] - slices["bare"][0][0], **slices},
     }
 
 
@@ -253,8 +291,9 @@ def main(argv: list[str]) -> int:
         bare_loop(int(argv[1]), argv[2], Path(argv[3]))
         return 0
     args = harness.cli(__doc__.splitlines()[0], argv, sets=True)
-    harness.emit(args, measure(args.work / "step_overhead", args.work / "compile-cache", args.quick,
-                               overrides=tuple(args.set)))
+    harness.emit(
+        args, measure(args.work / "step_overhead", args.work / "compile-cache", args.quick, overrides=tuple(args.set))
+    )
     return 0
 
 

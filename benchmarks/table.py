@@ -60,51 +60,67 @@ def _support(d: dict) -> list[str]:
     f, lines = _fmt, []
     if so := d.get("step_overhead"):
         med = so.get("step_s_median") or {}
-        lines.append(f"- step overhead: trainer {f(so.get('trainer_tokens_per_s'))} tok/s vs bare "
-                     f"{f(so.get('bare_tokens_per_s'))} tok/s, sliced against each other; per pair "
-                     f"{', '.join(f(r) for r in so.get('pair_ratios') or [])}; median step {f(med.get('full'))} s vs "
-                     f"{f(med.get('bare'))} s (ratio {f(so.get('median_step_ratio'))}); CPU-seconds per step ratio "
-                     f"{f(so.get('cpu_time_ratio'))}; the window's save cost its step "
-                     f"{', '.join(f(x) for x in so.get('save_step_excess_s') or [])} s over the median")
+        lines.append(
+            f"- step overhead: trainer {f(so.get('trainer_tokens_per_s'))} tok/s vs bare "
+            f"{f(so.get('bare_tokens_per_s'))} tok/s, sliced against each other; per pair "
+            f"{', '.join(f(r) for r in so.get('pair_ratios') or [])}; median step {f(med.get('full'))} s vs "
+            f"{f(med.get('bare'))} s (ratio {f(so.get('median_step_ratio'))}); CPU-seconds per step ratio "
+            f"{f(so.get('cpu_time_ratio'))}; the window's save cost its step "
+            f"{', '.join(f(x) for x in so.get('save_step_excess_s') or [])} s over the median"
+        )
     if cc := d.get("checkpoint_cost"):
         raw = cc.get("uncompressed_diagnostic", {})
-        lines.append(f"- checkpoint: {f(cc.get('n_params'))} params, {f((cc.get('state_bytes') or 0) / 1e9)} GB "
-                     f"state; async blocking {f(cc.get('async_blocking_s'))} s vs sync {f(cc.get('sync_blocking_s'))}"
-                     f" s (host memcpy limit {f(cc.get('copy_limit_s'))} s); tok/s {f(cc.get('ckpt_tokens_per_s'))}"
-                     f" with vs {f(cc.get('plain_tokens_per_s'))} without, CPU-time ratio "
-                     f"{f(cc.get('cpu_time_ratio'))}; a save's write costs {f(cc.get('write_cpu_s'))} CPU-s, so "
-                     f"{f(cc.get('cpu_bound_throughput_ratio'))} is the most this many cores allow; zstd off "
-                     f"(diagnostic): throughput ratio {f(raw.get('ckpt_throughput_ratio'))}, write "
-                     f"{f(_median_cpu_s(raw.get('sync_saves')))} CPU-s")
+        lines.append(
+            f"- checkpoint: {f(cc.get('n_params'))} params, {f((cc.get('state_bytes') or 0) / 1e9)} GB "
+            f"state; async blocking {f(cc.get('async_blocking_s'))} s vs sync {f(cc.get('sync_blocking_s'))}"
+            f" s (host memcpy limit {f(cc.get('copy_limit_s'))} s); tok/s {f(cc.get('ckpt_tokens_per_s'))}"
+            f" with vs {f(cc.get('plain_tokens_per_s'))} without, CPU-time ratio "
+            f"{f(cc.get('cpu_time_ratio'))}; a save's write costs {f(cc.get('write_cpu_s'))} CPU-s, so "
+            f"{f(cc.get('cpu_bound_throughput_ratio'))} is the most this many cores allow; zstd off "
+            f"(diagnostic): throughput ratio {f(raw.get('ckpt_throughput_ratio'))}, write "
+            f"{f(_median_cpu_s(raw.get('sync_saves')))} CPU-s"
+        )
     if rc := d.get("recovery"):
         cold = rc.get("cold_start_s", {})
         first = (rc.get("recoveries_s") or [{}])[0]
         parts = ", ".join(f"{k} {f(v)}" for k, v in first.items() if k != "first_step_number")
-        lines.append(f"- recovery (s): {parts}; cold start {f(cold.get('total'))} (compile {f(cold.get('compile'))});"
-                     f" ratio without the restart delay {f(rc.get('recovery_vs_cold_without_backoff'))}")
+        lines.append(
+            f"- recovery (s): {parts}; cold start {f(cold.get('total'))} (compile {f(cold.get('compile'))});"
+            f" ratio without the restart delay {f(rc.get('recovery_vs_cold_without_backoff'))}"
+        )
     if dh := d.get("data_headroom"):
         g = dh.get("gpu_124m_shape", {})
-        lines.append(f"- data: pipeline {f(dh.get('pipeline_tokens_per_s'))} tok/s vs trainer "
-                     f"{f(dh.get('trainer_tokens_per_s'))}; at the 124M GPU shape {f(g.get('tokens_per_s'))} "
-                     f"tok/s = {f(g.get('headroom_vs_modelled'))}x what 124M eats at 45% MFU on an H200 (modelled)")
+        lines.append(
+            f"- data: pipeline {f(dh.get('pipeline_tokens_per_s'))} tok/s vs trainer "
+            f"{f(dh.get('trainer_tokens_per_s'))}; at the 124M GPU shape {f(g.get('tokens_per_s'))} "
+            f"tok/s = {f(g.get('headroom_vs_modelled'))}x what 124M eats at 45% MFU on an H200 (modelled)"
+        )
         if b := dh.get("gpu_124m_shape_bpe"):
             prep = b["prepared"]
-            lines.append(f"- data on prepared BPE shards ({prep['tokenizer']}, {prep['dtype']}) at the 124M GPU shape:"
-                         f" {f(b.get('tokens_per_s'))} tok/s = {f(b.get('headroom_vs_modelled'))}x")
+            lines.append(
+                f"- data on prepared BPE shards ({prep['tokenizer']}, {prep['dtype']}) at the 124M GPU shape:"
+                f" {f(b.get('tokens_per_s'))} tok/s = {f(b.get('headroom_vs_modelled'))}x"
+            )
     if gc := d.get("goodput_chaos"):
-        lines.append(f"- goodput: measured {f(gc.get('measured_goodput'))} vs predicted "
-                     f"{f(gc.get('predicted_goodput'))} ({f(gc.get('failures'))} crashes, stall "
-                     f"{f(gc.get('stall_s'))} s, restart {f(gc.get('restart_s'))} s, step {f(gc.get('step_s'))} s)")
+        lines.append(
+            f"- goodput: measured {f(gc.get('measured_goodput'))} vs predicted "
+            f"{f(gc.get('predicted_goodput'))} ({f(gc.get('failures'))} crashes, stall "
+            f"{f(gc.get('stall_s'))} s, restart {f(gc.get('restart_s'))} s, step {f(gc.get('step_s'))} s)"
+        )
     if ct := d.get("checkpoint_tiers"):
         t = ct.get("tiers", {})
-        parts = [f"{name}: tok/s ratio {f(x.get('ckpt_throughput_ratio'))} (CPU-time {f(x.get('cpu_time_ratio'))}), "
-                 f"blocking {f(x.get('blocking_s'))} s, seal {f(x.get('seal', {}).get('cpu_s'))} CPU-s, restore "
-                 f"{f(x.get('restore', {}).get('total_s'))} s (verify {f(x.get('restore', {}).get('verify_s'))})"
-                 for name, x in t.items()]
+        parts = [
+            f"{name}: tok/s ratio {f(x.get('ckpt_throughput_ratio'))} (CPU-time {f(x.get('cpu_time_ratio'))}), "
+            f"blocking {f(x.get('blocking_s'))} s, seal {f(x.get('seal', {}).get('cpu_s'))} CPU-s, restore "
+            f"{f(x.get('restore', {}).get('total_s'))} s (verify {f(x.get('restore', {}).get('verify_s'))})"
+            for name, x in t.items()
+        ]
         lines.append(f"- tiers, same state and windows: {'; '.join(parts)}")
     if rp := d.get("replica_check"):
-        parts = [f"{name} ({f(m.get('n_params'))} params): check {f(m.get('check_s'))} s vs step {f(m.get('step_s'))}"
-                 f" s" for name, m in rp.get("models", {}).items()]
+        parts = [
+            f"{name} ({f(m.get('n_params'))} params): check {f(m.get('check_s'))} s vs step {f(m.get('step_s'))} s"
+            for name, m in rp.get("models", {}).items()
+        ]
         lines.append(f"- replica check: {'; '.join(parts)}")
     for name, b in d.items():
         if "error" in b:
@@ -114,11 +130,15 @@ def _support(d: dict) -> list[str]:
 
 def render(res: dict, headlines: dict) -> str:
     d = res.get("details", {})
-    out = ["# Benchmark results", "",
-           f"`{res.get('command')}` — {res.get('started_utc')}, {_fmt(res.get('duration_s'))} s"
-           + (" (**--quick: smoke settings, numbers mean little**)" if res.get("quick") else ""), "",
-           "| benchmark | measured | target | | compared with | load avg (before, after) |",
-           "|---|---|---|---|---|---|"]
+    out = [
+        "# Benchmark results",
+        "",
+        f"`{res.get('command')}` — {res.get('started_utc')}, {_fmt(res.get('duration_s'))} s"
+        + (" (**--quick: smoke settings, numbers mean little**)" if res.get("quick") else ""),
+        "",
+        "| benchmark | measured | target | | compared with | load avg (before, after) |",
+        "|---|---|---|---|---|---|",
+    ]
     for key, (bench, target, limit) in headlines.items():
         b = d.get(bench, {})
         measured = "error" if "error" in b else _fmt(res.get(key))
@@ -131,14 +151,22 @@ def render(res: dict, headlines: dict) -> str:
     out += ["", *_support(d)]
     smoke = res.get("gpu_cpu_smoke")
     if smoke:
-        out.append(f"- GPU script CPU smoke (`python benchmarks/gpu_check.py --cpu-smoke`): "
-                   f"{'passed' if smoke.get('passed') else 'FAILED'} in {_fmt(smoke.get('wall_s'))} s, bitwise resume "
-                   f"{_fmt(smoke.get('bitwise_equal'))}")
+        out.append(
+            f"- GPU script CPU smoke (`python benchmarks/gpu_check.py --cpu-smoke`): "
+            f"{'passed' if smoke.get('passed') else 'FAILED'} in {_fmt(smoke.get('wall_s'))} s, bitwise resume "
+            f"{_fmt(smoke.get('bitwise_equal'))}"
+        )
     m, v, g = res.get("machine", {}), res.get("versions", {}), res.get("git", {})
-    out += ["", "## Machine and versions", "",
-            f"- {m.get('cpu')} x {m.get('cpu_count')} cores, {m.get('memory_gb')} GB, {m.get('platform')}, "
-            f"Python {m.get('python')}; GPUs: {', '.join(m.get('gpu') or []) or 'none'}",
-            "- " + ", ".join(f"{k} {val}" for k, val in v.items()),
-            f"- git {str(g.get('commit'))[:12]} ({g.get('uncommitted_files')} uncommitted files)",
-            "", "Method and how to read each ratio: [benchmarks/README.md](../README.md).", ""]
+    out += [
+        "",
+        "## Machine and versions",
+        "",
+        f"- {m.get('cpu')} x {m.get('cpu_count')} cores, {m.get('memory_gb')} GB, {m.get('platform')}, "
+        f"Python {m.get('python')}; GPUs: {', '.join(m.get('gpu') or []) or 'none'}",
+        "- " + ", ".join(f"{k} {val}" for k, val in v.items()),
+        f"- git {str(g.get('commit'))[:12]} ({g.get('uncommitted_files')} uncommitted files)",
+        "",
+        "Method and how to read each ratio: [benchmarks/README.md](../README.md).",
+        "",
+    ]
     return "\n".join(out)

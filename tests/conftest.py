@@ -32,9 +32,18 @@ if not COMPILE_CACHE:
 # The tiny config shrunk further so a real run of a few dozen steps takes seconds on 2 cores. No end-of-run
 # report (matplotlib, ~2 s a run): the tests of the report and of its being written turn it back on.
 MICRO = [
-    "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.seq_len=64",
-    "data.batch_size=16", "train.steps=30", "optim.warmup_steps=5", "log.every_steps=5",
-    "checkpoint.every_steps=10", "log.progress=false", "data.default_corpus_mb=1", "log.report=false",
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.seq_len=64",
+    "data.batch_size=16",
+    "train.steps=30",
+    "optim.warmup_steps=5",
+    "log.every_steps=5",
+    "checkpoint.every_steps=10",
+    "log.progress=false",
+    "data.default_corpus_mb=1",
+    "log.report=false",
     f"run.compile_cache={COMPILE_CACHE}",
 ]
 
@@ -44,14 +53,28 @@ def sets(*overrides: str) -> list[str]:
 
 
 def trainer_cmd(run_dir: Path, *overrides: str, worker: bool = False, config: str = TINY) -> list[str]:
-    return [sys.executable, "-m", "trainer", "--config", config,
-            *sets(*MICRO, f"run.dir={run_dir}", *overrides), *(["--worker"] if worker else [])]
+    return [
+        sys.executable,
+        "-m",
+        "trainer",
+        "--config",
+        config,
+        *sets(*MICRO, f"run.dir={run_dir}", *overrides),
+        *(["--worker"] if worker else []),
+    ]
 
 
-def run_trainer(run_dir: Path, *overrides: str, worker: bool = False, timeout: float = 600,
-                check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(trainer_cmd(run_dir, *overrides, worker=worker), cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=child_env())
+def run_trainer(
+    run_dir: Path, *overrides: str, worker: bool = False, timeout: float = 600, check: bool = True
+) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        trainer_cmd(run_dir, *overrides, worker=worker),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(),
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"trainer exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc

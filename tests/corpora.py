@@ -24,8 +24,14 @@ def code_jsonl(path: Path, mb: float, *, field: str = "text") -> Path:
 
 
 def prepare_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer", "prepare", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, env=env or child_env())
+    return subprocess.run(
+        [sys.executable, "-m", "trainer", "prepare", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or child_env(),
+    )
 
 
 def prepared(directory: Path, *args: str) -> Path:

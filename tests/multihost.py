@@ -20,6 +20,7 @@ WORDS = "the a data step shard host mesh save restore loss batch epoch window to
 TWO = ["launch.processes=2", "mesh.cpu_devices=4"]
 ONE = ["launch.processes=1", "mesh.cpu_devices=8"]
 
+
 def small_corpus(directory: Path) -> Path:
     path = Path(directory) / "corpus.txt"
     if not path.is_file():
@@ -30,12 +31,18 @@ def small_corpus(directory: Path) -> Path:
 
 
 def group_overrides(corpus: Path, *more: str) -> list[str]:
-    return [f"data.path={corpus}", f"data.cache_dir={corpus.parent / 'cache'}", "data.audit=true",
-            "supervisor.backoff_s=0.2", *more]
+    return [
+        f"data.path={corpus}",
+        f"data.cache_dir={corpus.parent / 'cache'}",
+        "data.audit=true",
+        "supervisor.backoff_s=0.2",
+        *more,
+    ]
 
 
 def reference(tmp_path_factory) -> tuple[Path, Path]:
     """(run dir, corpus) of one uninterrupted, supervised 2-process run; made once per session (conftest.built_once)."""
+
     def build(root: Path) -> None:
         run_trainer(root / "reference", *group_overrides(small_corpus(root / "corpus"), *TWO))
 
@@ -62,16 +69,23 @@ def wait_for(pred, timeout: float, what: str):
 def at_step(run: Path, process: int, step: int, alive, timeout: float = 240) -> dict:
     """Wait until that process is training at `step` or later; its heartbeat (with its pid).
     `alive()` says whether the run is still going (fail fast when it is not)."""
+
     def ok():
         assert alive(), f"the run ended before process {process} reached step {step}"
         hb = heartbeat(run, process)
         return hb if hb and hb["phase"] == "step" and hb["step"] >= step else None
+
     return wait_for(ok, timeout, f"process {process} at step >= {step}")
 
 
 def audit(run: Path, *args: str) -> dict:
     """`python -m trainer audit RUN --json`, asserted to pass."""
-    p = subprocess.run([sys.executable, "-m", "trainer", "audit", str(run), "--json", *args], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "trainer", "audit", str(run), "--json", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     return json.loads(p.stdout)

@@ -35,8 +35,17 @@ print(json.dumps(out))
 
 def test_two_processes_act_on_the_same_flags_at_the_same_step(tmp_path):
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(i), port], cwd=ROOT, env=child_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SCRIPT, str(i), port],
+            cwd=ROOT,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=300)

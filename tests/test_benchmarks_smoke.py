@@ -13,8 +13,15 @@ from conftest import ROOT, child_env
 
 from benchmarks import recovery, run_all, table
 
-KEYS = ("step_overhead_ratio", "ckpt_blocking_vs_sync", "ckpt_throughput_ratio", "recovery_vs_cold",
-        "data_headroom", "goodput_vs_model", "gpu")
+KEYS = (
+    "step_overhead_ratio",
+    "ckpt_blocking_vs_sync",
+    "ckpt_throughput_ratio",
+    "recovery_vs_cold",
+    "data_headroom",
+    "goodput_vs_model",
+    "gpu",
+)
 
 
 def test_committed_results_have_every_key_and_render():
@@ -40,8 +47,16 @@ def test_recovery_split_adds_up():
         {"event": "step", "time": t + 7.8, "step": 9},
     ]
     split = recovery.split_recovery(evs, t)
-    want = {"detection": 0.4, "backoff": 1.1, "process_start": 2.5, "restore": 1.0, "other_setup": 0.5,
-            "compile": 1.5, "first_step": 0.8, "total": 7.8}
+    want = {
+        "detection": 0.4,
+        "backoff": 1.1,
+        "process_start": 2.5,
+        "restore": 1.0,
+        "other_setup": 0.5,
+        "compile": 1.5,
+        "first_step": 0.8,
+        "total": 7.8,
+    }
     assert {k: round(v, 6) for k, v in split.items() if k != "first_step_number"} == want
     assert split["first_step_number"] == 9
 
@@ -49,9 +64,25 @@ def test_recovery_split_adds_up():
 def test_data_headroom_runs(tmp_path):
     (tmp_path / "so.json").write_text(json.dumps({"trainer_tokens_per_s": 1000.0}))
     out = tmp_path / "dh.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.data_headroom", "--quick", "--work", str(tmp_path),
-                           "--input", str(tmp_path / "so.json"), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=child_env())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.data_headroom",
+            "--quick",
+            "--work",
+            str(tmp_path),
+            "--input",
+            str(tmp_path / "so.json"),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["data_headroom"] == res["pipeline_tokens_per_s"] / 1000.0

@@ -30,18 +30,21 @@ def test_every_shipped_config_parses_and_has_its_stated_size():
         assert abs(n - millions) / millions < 0.05, f"{name}: {n:.1f}M params, stated {millions}M"
 
 
-@pytest.mark.parametrize("override, message", [
-    ("model.widht=3", "unknown config key 'model.widht'"),
-    ("train.steps=ten", "train.steps: expected an integer"),
-    ("model.d_model=0", "model.d_model must be > 0"),
-    ("data.batch_size=-4", "data.batch_size must be > 0"),
-    ("log.tensorboard=maybe", "log.tensorboard: expected true/false"),
-    ("model.compute_dtype=fp8", "model.compute_dtype must be float32 or bfloat16"),
-    ("model.remat=true", "model.remat must be one of none, full, save_dots, save_attention, got 'True'; true is"),
-    ("train.microbatches=0", "train.microbatches must be > 0"),
-    ("faults=[{kind: crash, step: 3, phase: restore}]", "faults[0].phase must be one of step, startup, restore"),
-    ("faults=[{kind: hang, step: 3, phase: eval}]", "faults[0].phase must be one of"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.widht=3", "unknown config key 'model.widht'"),
+        ("train.steps=ten", "train.steps: expected an integer"),
+        ("model.d_model=0", "model.d_model must be > 0"),
+        ("data.batch_size=-4", "data.batch_size must be > 0"),
+        ("log.tensorboard=maybe", "log.tensorboard: expected true/false"),
+        ("model.compute_dtype=fp8", "model.compute_dtype must be float32 or bfloat16"),
+        ("model.remat=true", "model.remat must be one of none, full, save_dots, save_attention, got 'True'; true is"),
+        ("train.microbatches=0", "train.microbatches must be > 0"),
+        ("faults=[{kind: crash, step: 3, phase: restore}]", "faults[0].phase must be one of step, startup, restore"),
+        ("faults=[{kind: hang, step: 3, phase: eval}]", "faults[0].phase must be one of"),
+    ],
+)
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(str(ROOT / "configs" / "tiny.yaml"), [override])
@@ -52,8 +55,9 @@ def _tree_state(d: Path) -> dict[str, tuple[int, int]]:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env=child_env())
+    return subprocess.run(
+        [sys.executable, "-m", "trainer", *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env()
+    )
 
 
 @pytest.mark.slow

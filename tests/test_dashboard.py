@@ -17,11 +17,18 @@ from conftest import ROOT, child_env, events, run_trainer, trainer_cmd
 from trainer.config import Config
 from trainer.observe import alerts, health
 
-FAULTS = ("faults=[{kind: ecc, step: 8}, {kind: slow, step: 14, seconds: 0.4, count: 5}, "
-          "{kind: hang, step: 33}]")
-RUN = ["train.steps=40", "checkpoint.every_steps=20", "log.report=true", "log.health_every_s=0.05",
-       "alerts.throughput_window=10", "alerts.throughput_steps=3", "supervisor.step_timeout_s=8",
-       "alerts.overdue_fraction=0.25", FAULTS]
+FAULTS = "faults=[{kind: ecc, step: 8}, {kind: slow, step: 14, seconds: 0.4, count: 5}, {kind: hang, step: 33}]"
+RUN = [
+    "train.steps=40",
+    "checkpoint.every_steps=20",
+    "log.report=true",
+    "log.health_every_s=0.05",
+    "alerts.throughput_window=10",
+    "alerts.throughput_steps=3",
+    "supervisor.step_timeout_s=8",
+    "alerts.overdue_fraction=0.25",
+    FAULTS,
+]
 
 
 def _tensorboard(logdir: Path):
@@ -43,10 +50,20 @@ def faulty_run(tmp_path_factory):
     deadline = time.time() + 300
     while proc.poll() is None and time.time() < deadline:
         hb = _heartbeat(run)
-        if not status_during_hang and hb and hb["phase"] == "step" and hb["step"] == 33 and \
-                time.time() - hb["time"] > 2.5:
-            status_during_hang = subprocess.run([sys.executable, "-m", "trainer", "status", str(run)], cwd=ROOT,
-                                                capture_output=True, text=True, timeout=60).stdout
+        if (
+            not status_during_hang
+            and hb
+            and hb["phase"] == "step"
+            and hb["step"] == 33
+            and time.time() - hb["time"] > 2.5
+        ):
+            status_during_hang = subprocess.run(
+                [sys.executable, "-m", "trainer", "status", str(run)],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            ).stdout
         time.sleep(0.1)
     assert proc.wait(timeout=max(deadline - time.time(), 1)) == 0, (run.parent / f"{run.name}.log").read_text()[-3000:]
     return run, status_during_hang
@@ -64,11 +81,30 @@ def test_tensorboard_has_every_scalar_group(faulty_run):
     run, _ = faulty_run
     acc = _tensorboard(run / "tb")
     scalars = set(acc.Tags()["scalars"])
-    for tag in ("loss/train", "optim/grad_norm", "optim/update_norm", "optim/lr", "throughput/tokens_per_s",
-                "throughput/mfu", "time/step_s", "time/data_wait_s", "time/compute_s", "time/ckpt_block_s",
-                "health/host/cpu_percent", "health/host/mem_used_gb", "health/host/ecc_injected",
-                "alerts/throughput_drop", "alerts/ecc_rising", "alerts/open", "goodput/productive_fraction",
-                "goodput/restart_s", "goodput/restarts", "markers/restart", "markers/hang", "markers/checkpoint_now"):
+    for tag in (
+        "loss/train",
+        "optim/grad_norm",
+        "optim/update_norm",
+        "optim/lr",
+        "throughput/tokens_per_s",
+        "throughput/mfu",
+        "time/step_s",
+        "time/data_wait_s",
+        "time/compute_s",
+        "time/ckpt_block_s",
+        "health/host/cpu_percent",
+        "health/host/mem_used_gb",
+        "health/host/ecc_injected",
+        "alerts/throughput_drop",
+        "alerts/ecc_rising",
+        "alerts/open",
+        "goodput/productive_fraction",
+        "goodput/restart_s",
+        "goodput/restarts",
+        "markers/restart",
+        "markers/hang",
+        "markers/checkpoint_now",
+    ):
         assert tag in scalars, (tag, sorted(scalars))
     assert all(0 < e.value < 1 for e in acc.Scalars("throughput/mfu"))  # nominal CPU peak from tiny.yaml
     assert [e.step for e in acc.Scalars("markers/restart")] == [e.step for e in acc.Scalars("markers/hang")] == [33]
@@ -112,8 +148,9 @@ def _spike_corpus(path: Path, at_step: int, per_step: int) -> None:
     std = Path(sysconfig.get_paths()["stdlib"])
     text = b"".join(p.read_bytes() for p in sorted(std.glob("*.py"))[:40])
     path.mkdir()
-    (path / "corpus.txt").write_bytes(text[:at_step * per_step] + b"\xff" * per_step
-                                      + text[at_step * per_step:(at_step + 12) * per_step])
+    (path / "corpus.txt").write_bytes(
+        text[: at_step * per_step] + b"\xff" * per_step + text[at_step * per_step : (at_step + 12) * per_step]
+    )
 
 
 def _first_spike(series: dict[int, float], window: int = 10, z: float = 6.0) -> int | None:
@@ -121,8 +158,8 @@ def _first_spike(series: dict[int, float], window: int = 10, z: float = 6.0) -> 
     training falls fast: a spike is a break from the trend, not from a flat median)."""
     steps = sorted(series)
     for i in range(window, len(steps)):
-        xs = np.array(steps[i - window:i], dtype=float)
-        ys = np.array([series[s] for s in steps[i - window:i]])
+        xs = np.array(steps[i - window : i], dtype=float)
+        ys = np.array([series[s] for s in steps[i - window : i]])
         fit = np.polyfit(xs, ys, 1)
         sigma = (ys - np.polyval(fit, xs)).std(ddof=2)
         if series[steps[i]] > np.polyval(fit, steps[i]) + z * max(sigma, 1e-6):
@@ -156,10 +193,13 @@ def test_the_tensorboard_writer_does_not_import_torch(tmp_path):
         if os.environ.get("CI") == "true":
             pytest.fail("torch is not installed under CI: run .ci/install-transformers.sh")
         pytest.skip("torch is not installed: nothing to keep out")
-    code = ("import sys\nfrom trainer.observe.tensorboard import Writer\n"
-            f"w = Writer({str(tmp_path)!r})\nw.add(1, {{'loss/train': 1.0}})\nw.close()\nprint('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env=child_env())
+    code = (
+        "import sys\nfrom trainer.observe.tensorboard import Writer\n"
+        f"w = Writer({str(tmp_path)!r})\nw.add(1, {{'loss/train': 1.0}})\nw.close()\nprint('torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=child_env()
+    )
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr[-2000:]
     assert [e.value for e in _tensorboard(tmp_path).Scalars("loss/train")] == [1.0]
 
@@ -215,7 +255,7 @@ def test_grad_norm_trend_alert_fires_on_a_climb_and_clears():
     mon = alerts.GradNormTrend(alerts.Alerter(sink, sink), window=20, rise=2.0, start_step=5)
     rng = np.random.default_rng(0)
     series = [1.0 + 0.1 * rng.standard_normal() for _ in range(60)]  # flat and noisy: no alert
-    series += [1.0 * 1.05 ** i for i in range(40)]  # +5% a step: x7 over 40 steps
+    series += [1.0 * 1.05**i for i in range(40)]  # +5% a step: x7 over 40 steps
     series += [1.0] * 60
     for step, g in enumerate(series, 1):
         mon.on_step(step, {"grad_norm": g})
@@ -257,14 +297,22 @@ def _fake_nvml(ecc: list[int]):
         return pending.pop()
 
     nv.__dict__.update(
-        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 2,
-        nvmlDeviceGetHandleByIndex=Handle, nvmlDeviceGetIndex=lambda h: h.i,
-        nvmlDeviceGetTemperature=lambda h, s: 60 + h.i, nvmlDeviceGetPowerUsage=lambda h: 350_000,
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=Handle,
+        nvmlDeviceGetIndex=lambda h: h.i,
+        nvmlDeviceGetTemperature=lambda h, s: 60 + h.i,
+        nvmlDeviceGetPowerUsage=lambda h: 350_000,
         nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=40 * health.GB),
         nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=97),
-        nvmlDeviceGetTotalEccErrors=ecc_errors, nvmlDeviceGetCurrentClocksThrottleReasons=lambda h: 0x40 * h.i,
-        nvmlEventSetCreate=lambda: object(), nvmlDeviceRegisterEvents=lambda h, kind, events: None,
-        nvmlEventSetWait=wait, nvmlEventSetFree=lambda events: None)
+        nvmlDeviceGetTotalEccErrors=ecc_errors,
+        nvmlDeviceGetCurrentClocksThrottleReasons=lambda h: 0x40 * h.i,
+        nvmlEventSetCreate=lambda: object(),
+        nvmlDeviceRegisterEvents=lambda h, kind, events: None,
+        nvmlEventSetWait=wait,
+        nvmlEventSetFree=lambda events: None,
+    )
     return nv
 
 

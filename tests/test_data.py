@@ -26,8 +26,9 @@ def corpus(tmp_path_factory):
 
 def _ids(corpus, *, steps=8, seed=0, process=0, processes=1, skips=(), shuffle=True, start=0):
     cfg = DataConfig(batch_size=8, shuffle=shuffle, read_threads=1)
-    it = make_iterator(cfg, corpus=corpus, seq_len=32, steps=steps, seed=seed, process=process,
-                       processes=processes, skips=list(skips))
+    it = make_iterator(
+        cfg, corpus=corpus, seq_len=32, steps=steps, seed=seed, process=process, processes=processes, skips=list(skips)
+    )
     it.set_state({"next_index": start})
     return [next(it) for _ in range(steps - start)]
 
@@ -90,8 +91,9 @@ def test_windows_do_not_depend_on_how_the_split_is_cut_into_shards(corpus, tmp_p
     from trainer.corpus import sources
 
     src = sources.open_source(str(corpus.dir.parents[1]), text_field="text", default_corpus_mb=0)
-    prep.prepare(prep.Plan(src, "bytes", sources.val_fraction(0.02, "v"), shard_tokens=1000), tmp_path / "cut",
-                 progress="")
+    prep.prepare(
+        prep.Plan(src, "bytes", sources.val_fraction(0.02, "v"), shard_tokens=1000), tmp_path / "cut", progress=""
+    )
     cut = prepare(DataConfig(path=str(tmp_path / "cut")))  # a prepared DIR is read as it is
     assert len(cut.shards("train")) == 54 and len(corpus.shards("train")) == 1
     one, many = TokenWindows.of(corpus, 32), TokenWindows.of(cut, 32)
@@ -132,9 +134,17 @@ def test_a_raw_path_is_prepared_once_by_process_0_while_the_other_waits(tmp_path
     words = np.array("def class return import self data token shard".split())
     (tmp_path / "a.txt").write_text(" ".join(rng.choice(words, 60_000)))
     cache_dir = tmp_path / "cache"
-    procs = [subprocess.Popen([sys.executable, "-c", ENSURE, str(tmp_path / "a.txt"), str(cache_dir), str(p)],
-                              cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for p in (1, 0)]  # the waiter first
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", ENSURE, str(tmp_path / "a.txt"), str(cache_dir), str(p)],
+            cwd=ROOT,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for p in (1, 0)
+    ]  # the waiter first
     (out1, err1), (out0, err0) = (p.communicate(timeout=120) for p in procs)
     assert [p.returncode for p in procs] == [0, 0], err0 + err1
     assert out0.split()[2] == "True" and out1.split()[2] == "False"  # prepared by process 0 only
@@ -142,6 +152,12 @@ def test_a_raw_path_is_prepared_once_by_process_0_while_the_other_waits(tmp_path
     entry = Path(out0.split()[0])
     assert sorted(p.name for p in cache_dir.iterdir()) == [entry.name, entry.name + ".lock"]
     # The other order: process 1 arrives after the entry was published and reads it as it is.
-    late = subprocess.run([sys.executable, "-c", ENSURE, str(tmp_path / "a.txt"), str(cache_dir), "1"], cwd=ROOT,
-                          env=child_env(), capture_output=True, text=True, timeout=120)
+    late = subprocess.run(
+        [sys.executable, "-c", ENSURE, str(tmp_path / "a.txt"), str(cache_dir), "1"],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert late.returncode == 0 and late.stdout.split() == [*out0.split()[:2], "False"], late.stderr

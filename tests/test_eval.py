@@ -20,8 +20,9 @@ DROPOUT = "model.dropout=0.1"  # the train step draws from the RNG: an eval that
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
     d = tmp_path_factory.mktemp("eval")
-    return prepared(d / "bpe", "--input", code_jsonl(d / "code.jsonl", 0.6), "--tokenizer", "bpe:512",
-                    "--val-fraction", "0.1")
+    return prepared(
+        d / "bpe", "--input", code_jsonl(d / "code.jsonl", 0.6), "--tokenizer", "bpe:512", "--val-fraction", "0.1"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +38,16 @@ def _evals(run) -> dict[int, dict]:
 
 def test_eval_never_changes_training_and_its_loss_falls(tmp_path, bpe, with_eval):
     # The run without eval also runs with log.health=false and a rising ECC count: no collector, no alert.
-    run_trainer(tmp_path / "off", f"data.path={bpe}", "model.vocab_size=512", DROPOUT, "eval.every_steps=0",
-                "log.health=false", "faults=[{kind: ecc, step: 3}]", worker=True)
+    run_trainer(
+        tmp_path / "off",
+        f"data.path={bpe}",
+        "model.vocab_size=512",
+        DROPOUT,
+        "eval.every_steps=0",
+        "log.health=false",
+        "faults=[{kind: ecc, step: 3}]",
+        worker=True,
+    )
     assert summary(with_eval)["params_sha256"] == summary(tmp_path / "off")["params_sha256"]
     assert step_losses(with_eval) == step_losses(tmp_path / "off")  # bitwise, every step
     ev = _evals(with_eval)
@@ -82,15 +91,23 @@ def _tree(d) -> dict:
 def test_an_imported_token_file_trains_and_a_small_vocab_is_refused(tmp_path, bpe, with_eval):
     train = np.fromfile(bpe / "train-00000.bin", dtype=np.uint16)
     train.tofile(tmp_path / "tokens.bin")  # a flat uint16 file, as nanoGPT's prepare scripts write
-    imported = prepared(tmp_path / "imported", "--from-tokens", tmp_path / "tokens.bin", "--dtype", "uint16",
-                        "--vocab-size", "512")
-    run_trainer(tmp_path / "run", f"data.path={imported}", "model.vocab_size=512", "train.steps=5",
-                "checkpoint.every_steps=0", worker=True)
+    imported = prepared(
+        tmp_path / "imported", "--from-tokens", tmp_path / "tokens.bin", "--dtype", "uint16", "--vocab-size", "512"
+    )
+    run_trainer(
+        tmp_path / "run",
+        f"data.path={imported}",
+        "model.vocab_size=512",
+        "train.steps=5",
+        "checkpoint.every_steps=0",
+        worker=True,
+    )
     assert summary(tmp_path / "run")["final_step"] == 5
     # The checkpoint recorded the data's fingerprint (from meta.json): a resume on other data is refused.
     before = _tree(with_eval)
-    other = run_trainer(with_eval, f"data.path={imported}", "model.vocab_size=512", DROPOUT, "train.steps=40",
-                        check=False)
+    other = run_trainer(
+        with_eval, f"data.path={imported}", "model.vocab_size=512", DROPOUT, "train.steps=40", check=False
+    )
     assert other.returncode == 2 and "the training data changed" in other.stderr and _tree(with_eval) == before
 
     small = run_trainer(tmp_path / "small", f"data.path={bpe}", "model.vocab_size=384", check=False)

@@ -32,7 +32,8 @@ def gpt2_names(n_layer: int) -> set[str]:
     """Every tensor name of a tied GPT2LMHeadModel's safetensors (lm_head is wte)."""
     per_layer = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
     return {"transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight", "transformer.ln_f.bias"} | {
-        f"transformer.h.{i}.{m}.{p}" for i in range(n_layer) for m in per_layer for p in ("weight", "bias")}
+        f"transformer.h.{i}.{m}.{p}" for i in range(n_layer) for m in per_layer for p in ("weight", "bias")
+    }
 
 
 def gpt2_logits(cfg: dict, w: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
@@ -74,7 +75,7 @@ def gpt2_greedy(cfg: dict, w: dict, prompt: list[int], n: int) -> list[int]:
     """Greedy decoding with the context cropped to n_positions; stops after end-of-text, like HF's generate."""
     ids, new = list(prompt), []
     for _ in range(n):
-        new.append(int(np.argmax(gpt2_logits(cfg, w, ids[-cfg["n_positions"]:])[-1])))
+        new.append(int(np.argmax(gpt2_logits(cfg, w, ids[-cfg["n_positions"] :])[-1])))
         ids.append(new[-1])
         if new[-1] == cfg["eos_token_id"]:
             break
@@ -87,8 +88,14 @@ FINE_TUNE = ("train.steps=8", "checkpoint.every_steps=3", "optim.warmup_steps=2"
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env=env or child_env())
+    return subprocess.run(
+        [sys.executable, "-m", "trainer", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env or child_env(),
+    )
 
 
 def export(run: Path, out: Path, *more: str) -> dict[str, str]:
@@ -106,8 +113,9 @@ def export_hashes(out: Path) -> dict[str, str]:
 
 
 def tree_bytes(d: Path) -> dict[str, str]:
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*"))
-            if p.is_file()}
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()
+    }
 
 
 def newest(run: Path) -> int:
@@ -147,9 +155,20 @@ def bpe_export(tmp_path_factory) -> tuple[Path, Path, Path]:
     """(run, prepared DIR, export dir) of 2 steps on one device with a 300-token BPE trained on its text."""
     root = tmp_path_factory.mktemp("bpe")
     run, out = root / "run", root / "gpt2"
-    run_trainer(run, f"data.path={small_corpus(root)}", f"data.cache_dir={root / 'cache'}", "data.tokenizer=bpe:300",
-                "train.steps=2", "checkpoint.every_steps=0", "mesh.cpu_devices=1", "mesh.data=1", "mesh.fsdp=1",
-                "mesh.tensor=1", "log.report=false", worker=True)
+    run_trainer(
+        run,
+        f"data.path={small_corpus(root)}",
+        f"data.cache_dir={root / 'cache'}",
+        "data.tokenizer=bpe:300",
+        "train.steps=2",
+        "checkpoint.every_steps=0",
+        "mesh.cpu_devices=1",
+        "mesh.data=1",
+        "mesh.fsdp=1",
+        "mesh.tensor=1",
+        "log.report=false",
+        worker=True,
+    )
     export(run, out)
     return run, Path(next(e["dir"] for e in events(run) if e["event"] == "data_ready")), out
 
@@ -182,8 +201,10 @@ def test_independent_gpt2_forward_matches_the_trainer_and_greedy_sample(exported
     ids = list(TEXT[:64])
     ours, theirs = trainer_logits(run, ids), gpt2_logits(cfg, w, ids)
     diff = float(np.abs(ours - theirs).max())
-    print(f"logits max abs diff, trainer (fp32) vs independent numpy GPT-2: {diff:.2e} (logit range "
-          f"{theirs.min():.1f}..{theirs.max():.1f})")
+    print(
+        f"logits max abs diff, trainer (fp32) vs independent numpy GPT-2: {diff:.2e} (logit range "
+        f"{theirs.min():.1f}..{theirs.max():.1f})"
+    )
     assert diff < 1e-4
 
     # 98 bytes of prompt: past model.seq_len (64), so both crop the context.
@@ -227,14 +248,21 @@ def test_a_prepared_tokenizer_is_exported_and_sample_uses_it(bpe_export):
     from tokenizers import Tokenizer
 
     run, prepared, out = bpe_export
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
-                                                    "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert (out / "tokenizer.json").read_bytes() == (prepared / "tokenizer.json").read_bytes()
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     eos = json.loads((out / "config.json").read_text())["eos_token_id"]
     assert eos == tok.token_to_id("<|endoftext|>") and json.loads((out / "tokenizer_config.json").read_text()) == {
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>",
-        "model_max_length": 64}
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "bos_token": "<|endoftext|>",
+        "model_max_length": 64,
+    }
     p = cli("sample", str(run), "--prompt", "the data step", "--max-new-tokens", "8", "--seed", "3", "--json")
     assert p.returncode == 0, p.stderr
     got = json.loads(p.stdout)
@@ -299,8 +327,14 @@ def test_export_does_not_depend_on_the_mesh_or_process_count_that_saved(exported
     runs = {"1 process x 8 devices": fine_tuned, "2 processes x 4 devices": exported[0]}  # both 2 x 2 x 2
     flags = "--xla_force_host_platform_device_count=8"
     env = dict(child_env(), JAX_PLATFORMS="cpu", XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}")
-    p = subprocess.run([sys.executable, "-c", SHARDED_RESTORE, *map(str, runs.values())], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", SHARDED_RESTORE, *map(str, runs.values())],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     sharded = json.loads(p.stdout.splitlines()[-1])
     for name, run in runs.items():
@@ -313,15 +347,18 @@ def test_export_does_not_depend_on_the_mesh_or_process_count_that_saved(exported
         assert meta["trainer_params_sha256"] == summary(run)["params_sha256"]
         # ... and exports the tensors of the trainer's own sharded restore of the same checkpoint, bit for bit.
         assert got == sharded[str(run)] and len(got) == 4 + 12 * 2
-        print(f"{name} ({', '.join(shards)}): {len(got)} tensors equal by sha256 between the one-device export and "
-              f"the 8-device sharded restore; params_sha256 {meta['trainer_params_sha256'][:16]} = summary.json's")
+        print(
+            f"{name} ({', '.join(shards)}): {len(got)} tensors equal by sha256 between the one-device export and "
+            f"the 8-device sharded restore; params_sha256 {meta['trainer_params_sha256'][:16]} = summary.json's"
+        )
 
 
 def test_export_verifies_first_a_damaged_checkpoint_is_skipped_or_refused(fine_tuned, tmp_path):
     run = tmp_path / "copy"
     shutil.copytree(fine_tuned, run)
-    victim = max((p for p in (run / "checkpoints" / "8" / "state").rglob("*") if p.is_file()),
-                 key=lambda p: p.stat().st_size)
+    victim = max(
+        (p for p in (run / "checkpoints" / "8" / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size
+    )
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01
     victim.write_bytes(bytes(data))
@@ -335,30 +372,47 @@ def test_export_verifies_first_a_damaged_checkpoint_is_skipped_or_refused(fine_t
 
 # --- 3: train.init_from ---------------------------------------------------------------------------------
 
+
 def test_init_from_a_finished_run_live_export_and_bitwise_resume(group, fine_tuned, tmp_path):
     from trainer.core import weights
 
     source, corpus = group
     first, old_last, fresh_first = step_losses(fine_tuned)[1][0], step_losses(source)[30][0], step_losses(source)[1][0]
-    print(f"init_from: first loss {first:.4f}; the source run's last {old_last:.4f}; a fresh start's first "
-          f"{fresh_first:.4f}")
+    print(
+        f"init_from: first loss {first:.4f}; the source run's last {old_last:.4f}; a fresh start's first "
+        f"{fresh_first:.4f}"
+    )
     assert abs(first - old_last) < 0.25 * abs(fresh_first - old_last)
     init = [e for e in events(fine_tuned) if e["event"] == "init_from"]
     assert len(init) == 1 and init[0]["from_step"] == 30 and init[0]["verified"]
     assert weights.read_meta(fine_tuned / "checkpoints" / "8")["init_from"]["checkpoint"] == str(
-        source / "checkpoints" / "30")
+        source / "checkpoints" / "30"
+    )
 
     # The same fine-tuning hangs at step 4 while live: export refuses its newest checkpoint and takes a named,
     # sealed one; then the run is killed and resumed from its own checkpoint (init_from is not applied again).
     run = tmp_path / "killed"
     overrides = group_overrides(corpus, *ONE, *FINE_TUNE, f"train.init_from={source}")
     with open(tmp_path / "worker.log", "w") as log:
-        worker = subprocess.Popen(trainer_cmd(run, *overrides, "faults=[{kind: hang, step: 4}]", worker=True),
-                                  cwd=ROOT, env=child_env(), stdout=log, stderr=log)
+        worker = subprocess.Popen(
+            trainer_cmd(run, *overrides, "faults=[{kind: hang, step: 4}]", worker=True),
+            cwd=ROOT,
+            env=child_env(),
+            stdout=log,
+            stderr=log,
+        )
     try:
         hb = run / "heartbeat" / "worker-0.json"
-        wait_for(lambda: worker.poll() is None and hb.is_file() and json.loads(hb.read_text())["step"] == 4
-                 and (run / "checkpoints" / "3" / "integrity" / "process_0.json").is_file(), 240, "the hang at step 4")
+        wait_for(
+            lambda: (
+                worker.poll() is None
+                and hb.is_file()
+                and json.loads(hb.read_text())["step"] == 4
+                and (run / "checkpoints" / "3" / "integrity" / "process_0.json").is_file()
+            ),
+            240,
+            "the hang at step 4",
+        )
         refused = cli("export", str(run), "--out", str(tmp_path / "live"))
         assert refused.returncode == 2 and not (tmp_path / "live").exists()
         assert refused.stderr.startswith("error: ") and refused.stderr.count("\n") == 1, refused.stderr
@@ -379,5 +433,7 @@ def test_init_from_with_other_shapes_is_one_line_and_writes_nothing(group, tmp_p
     run = tmp_path / "run"
     p = run_trainer(run, *group_overrides(corpus, *ONE, "model.d_ff=512", f"train.init_from={source}"), check=False)
     assert p.returncode == 2 and not run.exists(), p.stderr
-    assert p.stderr == (f"error: train.init_from: param blocks/fc/bias: shape [2, 512] in this run's model, shape "
-                        f"[2, 256] in {source}/checkpoints/30; set the model keys as that run had them\n")
+    assert p.stderr == (
+        f"error: train.init_from: param blocks/fc/bias: shape [2, 512] in this run's model, shape "
+        f"[2, 256] in {source}/checkpoints/30; set the model keys as that run had them\n"
+    )

@@ -81,8 +81,14 @@ def test_a_finished_run_rerun_says_so_and_changes_no_byte(done, tmp_path):
     before = _snapshot(run)
     cache = f"data.cache_dir={run.parent / 'cache'}"
     for worker in (False, True):
-        proc = subprocess.run(trainer_cmd(run, *DONE, cache, worker=worker), cwd=ROOT, capture_output=True,
-                              text=True, timeout=120, env=child_env())
+        proc = subprocess.run(
+            trainer_cmd(run, *DONE, cache, worker=worker),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=child_env(),
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert proc.stderr.splitlines() == [lines[-1]], proc.stderr  # the same one line, and nothing else
         assert _snapshot(run) == before, f"re-run (worker={worker}) changed the run dir"
@@ -127,8 +133,10 @@ def _bad_inputs(tmp: Path, run: Path) -> list[tuple[list[str], str]]:
         (cfg("binary.yaml"), f"{tmp}/binary.yaml is not a UTF-8 text file (byte 0x80 at offset 128)"),
         (cfg("latin1.yaml"), f"{tmp}/latin1.yaml is not a UTF-8 text file (byte 0xe9 at offset 15)"),
         (["--config", str(tmp), *sets(f"run.dir={run}")], f"--config {tmp} is a directory; pass a YAML file"),
-        (cfg("tab.yaml"), "not valid YAML (line 2, column 1: found character '\\t' that cannot start any token; "
-                          "indent with spaces"),
+        (
+            cfg("tab.yaml"),
+            "not valid YAML (line 2, column 1: found character '\\t' that cannot start any token; indent with spaces",
+        ),
         (tiny("faults=[{kind: crash"), "--set faults=[{kind: crash: the value is not valid YAML"),
         (trainer_cmd(tmp / "a_file", *DONE)[3:], f"run.dir {tmp}/a_file is an existing file, not a directory"),
         (trainer_cmd(tmp / "a_file" / "run", *DONE)[3:], f"{tmp}/a_file is a file, not a directory"),
@@ -152,8 +160,10 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(done, tmp_path):
     (run / "runbook.json").write_text('{"skips": [3, "x"]}')
     before = _snapshot(run)
     for worker in (False, True):
-        _one_error_line(_cli(*trainer_cmd(run, *DONE, "train.steps=14", worker=worker)[3:]),
-                        f"{run}/runbook.json is damaged (not the runbook's JSON object)")
+        _one_error_line(
+            _cli(*trainer_cmd(run, *DONE, "train.steps=14", worker=worker)[3:]),
+            f"{run}/runbook.json is damaged (not the runbook's JSON object)",
+        )
         assert _snapshot(run) == before
 
 
@@ -170,12 +180,16 @@ def test_a_read_only_run_dir_or_parent_is_one_line_as_a_non_root_user(done):
         # Finished: nothing to write, so a read-only run dir answers as usual.
         proc = _cli(*trainer_cmd(run, *DONE)[3:], user=NOBODY)
         assert proc.returncode == 0 and proc.stderr.startswith("run complete at step 12"), proc.stderr[-2000:]
-        _one_error_line(_cli(*trainer_cmd(run, "train.steps=14", "checkpoint.every_steps=6")[3:], user=NOBODY),
-                        f"run.dir {run} is not writable by this user; pick a run.dir you can write")
+        _one_error_line(
+            _cli(*trainer_cmd(run, "train.steps=14", "checkpoint.every_steps=6")[3:], user=NOBODY),
+            f"run.dir {run} is not writable by this user; pick a run.dir you can write",
+        )
         assert _snapshot(run) == before
         (base / "ro").mkdir(mode=0o555)
-        _one_error_line(_cli(*trainer_cmd(base / "ro" / "new", *DONE)[3:], user=NOBODY),
-                        f"run.dir {base}/ro/new cannot be created: {base}/ro is not writable by this user")
+        _one_error_line(
+            _cli(*trainer_cmd(base / "ro" / "new", *DONE)[3:], user=NOBODY),
+            f"run.dir {base}/ro/new cannot be created: {base}/ro is not writable by this user",
+        )
         assert list((base / "ro").iterdir()) == []
     finally:
         shutil.rmtree(base)
@@ -190,8 +204,9 @@ def test_damaged_files_we_wrote_are_rebuilt_or_noted(done, tmp_path):
     st = _cli("status", str(run))
     assert st.returncode == 0 and "Traceback" not in st.stderr, st.stderr
     assert f"note      {run}/summary.json is damaged" in st.stdout and "COMPLETE" in st.stdout, st.stdout
-    proc = subprocess.run(trainer_cmd(run, *DONE), cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=child_env())
+    proc = subprocess.run(
+        trainer_cmd(run, *DONE), cwd=ROOT, capture_output=True, text=True, timeout=120, env=child_env()
+    )
     assert proc.returncode == 0 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("run complete at step 12") and "rebuilt from events.jsonl" in proc.stderr
     rebuilt = summary(run)
@@ -203,10 +218,18 @@ def test_damaged_files_we_wrote_are_rebuilt_or_noted(done, tmp_path):
 def test_strict_json_and_no_nan_in_what_status_says(tmp_path):
     """A NaN update with the runbook off: the losses are NaN from there on. Every file stays strict JSON."""
     run = tmp_path / "run"
-    proc = run_trainer(run, "train.steps=10", "checkpoint.every_steps=0", "runbook.enabled=false", "log.report=true",
-                       "faults=[{kind: nan, step: 6}]", worker=True)
-    assert proc.stderr.splitlines()[-1].startswith(f"run complete at step 10: {run}/summary.json (final loss not "
-                                                   f"finite (NaN/Inf))"), proc.stderr[-2000:]
+    proc = run_trainer(
+        run,
+        "train.steps=10",
+        "checkpoint.every_steps=0",
+        "runbook.enabled=false",
+        "log.report=true",
+        "faults=[{kind: nan, step: 6}]",
+        worker=True,
+    )
+    assert proc.stderr.splitlines()[-1].startswith(
+        f"run complete at step 10: {run}/summary.json (final loss not finite (NaN/Inf))"
+    ), proc.stderr[-2000:]
     for line in (run / "events.jsonl").read_text().splitlines():
         _strict(line)
     s = _strict((run / "summary.json").read_text())
@@ -223,8 +246,14 @@ def test_library_noise_goes_to_the_worker_log_not_the_terminal(tmp_path):
     """XLA's own info lines (TF_CPP_MIN_LOG_LEVEL=0 turns them on: "PjRt-IFRT device count ..." as the
     backend starts) stay in the worker log. (The tiny config's step no longer makes the partitioner warn.)"""
     run = tmp_path / "run"  # the micro model: any model's start-up shows the backend's lines; compiles cold
-    cmd = [sys.executable, "-m", "trainer", "--config", TINY, *sets(*MICRO, f"run.dir={run}", "train.steps=2",
-                                                                    "run.compile_cache=")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "--config",
+        TINY,
+        *sets(*MICRO, f"run.dir={run}", "train.steps=2", "run.compile_cache="),
+    ]
     env = dict(child_env(), TF_CPP_MIN_LOG_LEVEL="0")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -267,8 +296,9 @@ def test_report_plots_and_text_say_only_what_happened(done, tmp_path, monkeypatc
     # Without an MFU series there is no MFU axis and the title does not promise one.
     bare = _copy(run, tmp_path / "no_mfu")
     recs = [json.loads(x) for x in (bare / "events.jsonl").read_text().splitlines()]
-    (bare / "events.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if k != "mfu"}) + "\n"
-                                               for r in recs))
+    (bare / "events.jsonl").write_text(
+        "".join(json.dumps({k: v for k, v in r.items() if k != "mfu"}) + "\n" for r in recs)
+    )
     (ax,) = _figures(bare, monkeypatch)["throughput.png"].axes
     assert not ax.child_axes and "MFU" not in ax.get_title() + " ".join(ax.get_legend_handles_labels()[1])
     # The report's text is status's text, and its goodput table the same ledger.
@@ -282,7 +312,11 @@ def test_report_plots_and_text_say_only_what_happened(done, tmp_path, monkeypatc
 
 def test_readme_documents_what_a_newcomer_meets():
     readme = (ROOT / "README.md").read_text()
-    for phrase in ("checkpoint.every_steps=0", "strict JSON", "run complete at step", "python -m trainer --help",
-                   "shutdown"):
+    for phrase in (
+        "checkpoint.every_steps=0",
+        "strict JSON",
+        "run complete at step",
+        "python -m trainer --help",
+        "shutdown",
+    ):
         assert phrase in readme, phrase
-

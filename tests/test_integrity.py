@@ -38,6 +38,7 @@ def _of(run: Path, kind: str) -> list[dict]:
 
 # --- a bad newest checkpoint ---------------------------------------------------------------------------
 
+
 def _largest(directory: Path) -> Path:
     return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
 
@@ -74,9 +75,13 @@ def _unseal(step_dir: Path) -> str:
     return ""
 
 
-CORRUPTIONS = {"bytes_flipped": (_flip, "checksum mismatch"), "truncated": (_truncate, "truncated"),
-               "deleted": (_delete, "file missing"), "meta_torn": (_tear_meta, "truncated or torn"),
-               "unsealed": (_unseal, "unverified")}
+CORRUPTIONS = {
+    "bytes_flipped": (_flip, "checksum mismatch"),
+    "truncated": (_truncate, "truncated"),
+    "deleted": (_delete, "file missing"),
+    "meta_torn": (_tear_meta, "truncated or torn"),
+    "unsealed": (_unseal, "unverified"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +95,7 @@ def stopped_at_20(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", sorted(CORRUPTIONS))
-def test_a_bad_newest_checkpoint_is_rejected_and_the_previous_one_used(tmp_path, stopped_at_20, reference_run,
-                                                                       how):
+def test_a_bad_newest_checkpoint_is_rejected_and_the_previous_one_used(tmp_path, stopped_at_20, reference_run, how):
     ref = reference_run()
     run = tmp_path / "run"
     shutil.copytree(stopped_at_20, run)
@@ -163,6 +167,7 @@ def test_possibly_transient_read_errors_are_retried_and_others_are_not():
 
 # --- silent data corruption in training ---------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_a_bitflip_in_one_replica_is_caught_rewound_and_the_run_ends_identical(tmp_path, reference_run):
     ref = reference_run()  # the tiny config's mesh: data 2 x fsdp 2 x tensor 2; params are replicated over data
@@ -183,6 +188,7 @@ def test_a_bitflip_in_one_replica_is_caught_rewound_and_the_run_ends_identical(t
 
 # --- the node-local tier ------------------------------------------------------------------------------
 
+
 def _sealed_local(run: Path, local: Path) -> list[int]:
     d = rundir.local_root(str(local), run) / "process_0"
     return sorted(int(p.name) for p in d.glob("[0-9]*") if manifest.sealed(p)) if d.is_dir() else []
@@ -192,8 +198,9 @@ def _kill_after_local_save(run: Path, local: Path, overrides: list[str], step: i
     """Run unsupervised until the local checkpoint of `step` (and the durable one of `durable`, which may
     still be writing: the durable tier is the slower one) is sealed, then SIGKILL the worker at once."""
     with open(run.parent / f"{run.name}.log", "w") as log:
-        proc = subprocess.Popen(trainer_cmd(run, *overrides, worker=True), cwd=ROOT, env=child_env(),
-                                stdout=log, stderr=log)
+        proc = subprocess.Popen(
+            trainer_cmd(run, *overrides, worker=True), cwd=ROOT, env=child_env(), stdout=log, stderr=log
+        )
     deadline = time.time() + 300
     while step not in _sealed_local(run, local) or not manifest.sealed(run / "checkpoints" / str(durable)):
         assert proc.poll() is None and time.time() < deadline, (run.parent / f"{run.name}.log").read_text()[-3000:]
@@ -208,8 +215,11 @@ def test_the_local_tier_resumes_at_the_local_save_and_the_durable_tier_when_it_i
     local = tmp_path / "local"
     # Local saves every 6 steps, durable every 10; steps 12-17 slowed so that step 12's local save is the
     # newest checkpoint when the kill lands (18's comes 6 s later).
-    over = [f"checkpoint.local_dir={local}", "checkpoint.local_every_steps=6",
-            "faults=[{kind: slow, step: 12, seconds: 1.0, count: 6}]"]
+    over = [
+        f"checkpoint.local_dir={local}",
+        "checkpoint.local_every_steps=6",
+        "faults=[{kind: slow, step: 12, seconds: 1.0, count: 6}]",
+    ]
     for wipe, want in ((False, (12, "local")), (True, (10, "durable"))):
         run = tmp_path / ("wiped" if wipe else "kept")
         _kill_after_local_save(run, local, over, 12, 10)
@@ -226,14 +236,16 @@ def test_the_local_tier_resumes_at_the_local_save_and_the_durable_tier_when_it_i
 
 # --- storage faults -----------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def tmpfs(tmp_path):
     """A 32 MB tmpfs: a disk that fills up for real."""
     mnt = tmp_path / "tmpfs"
     mnt.mkdir()
     sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
-    out = subprocess.run([*sudo, "mount", "-t", "tmpfs", "-o", "size=32M", "tmpfs", str(mnt)], capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        [*sudo, "mount", "-t", "tmpfs", "-o", "size=32M", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if out.returncode:
         why = f"cannot mount a tmpfs to fill up ({out.stderr.strip()}): needs root or passwordless sudo"
         if os.environ.get("CI") == "true":
@@ -299,6 +311,7 @@ def test_a_full_disk_stops_the_run_clearly_and_the_same_command_resumes(tmpfs, r
 
 # --- several processes: every process verifies its share, all agree before anything moves -----------------
 
+
 @pytest.mark.slow
 def test_two_processes_agree_on_a_bad_shard_and_on_the_newest_local_step_they_all_hold(tmp_path_factory):
     from multihost import TWO, group_overrides, reference
@@ -320,6 +333,7 @@ def test_two_processes_agree_on_a_bad_shard_and_on_the_newest_local_step_they_al
 
 
 # --- kills inside async saves ---------------------------------------------------------------------------
+
 
 def _hb(run: Path) -> dict | None:
     try:
@@ -346,9 +360,14 @@ def test_twenty_kills_inside_async_saves_never_break_a_restore(tmp_path, referen
     both (10, 20, ...), and a restart may restore from either tier."""
     ref = reference_run("train.steps=80")
     run = tmp_path / "run"
-    over = ["train.steps=80", "supervisor.max_restarts=40", "faults=[{kind: crash_mid_save, step: 9}, "
-            "{kind: crash_mid_save, step: 33}, {kind: crash_mid_save, step: 57}]",
-            "checkpoint.every_steps=5", f"checkpoint.local_dir={tmp_path / 'local'}", "checkpoint.local_every_steps=2"]
+    over = [
+        "train.steps=80",
+        "supervisor.max_restarts=40",
+        "faults=[{kind: crash_mid_save, step: 9}, {kind: crash_mid_save, step: 33}, {kind: crash_mid_save, step: 57}]",
+        "checkpoint.every_steps=5",
+        f"checkpoint.local_dir={tmp_path / 'local'}",
+        "checkpoint.local_every_steps=2",
+    ]
     rng = __import__("random").Random(14)
     with open(tmp_path / "supervisor.log", "w") as log:
         sup = subprocess.Popen(trainer_cmd(run, *over), cwd=ROOT, env=child_env(), stdout=log, stderr=log)
@@ -382,6 +401,8 @@ def test_twenty_kills_inside_async_saves_never_break_a_restore(tmp_path, referen
     assert not broken, broken
     _same_as(run, ref, unlogged=tuple(e["step"] for e in starts))
     tally = {t: sum(e.get("tier") == t for e in starts) for t in ("local", "durable")}
-    print(f"20 kills inside saves ({kills} SIGKILL + {crashes} crash_mid_save), restores {tally}, "
-          f"init {sum(e['event'] == 'init' for e in starts)}, unsealed checkpoints set aside {len(rejected)}, "
-          f"broken restores {len(broken)}, final params_sha256 {summary(run)['params_sha256'][:16]} == reference")
+    print(
+        f"20 kills inside saves ({kills} SIGKILL + {crashes} crash_mid_save), restores {tally}, "
+        f"init {sum(e['event'] == 'init' for e in starts)}, unsealed checkpoints set aside {len(rejected)}, "
+        f"broken restores {len(broken)}, final params_sha256 {summary(run)['params_sha256'][:16]} == reference"
+    )

@@ -60,17 +60,17 @@ def test_gelu_is_jax_tanh_gelu_evaluated_in_fp32_forward_and_gradient(dtype):
     w = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
     ref = jax.jit(lambda x: jax.nn.gelu(x.astype(jnp.float32), approximate=True))
     y = jax.jit(gelu)(x)
-    assert y.dtype == dtype and np.array_equal(np.asarray(ref(x).astype(dtype), np.float32),
-                                               np.asarray(y, np.float32))
+    assert y.dtype == dtype and np.array_equal(np.asarray(ref(x).astype(dtype), np.float32), np.asarray(y, np.float32))
     g_ref = jax.jit(jax.grad(lambda x: jnp.sum(ref(x) * w)))(x.astype(jnp.float32))
     g = jax.jit(jax.grad(lambda x: jnp.sum(gelu(x).astype(jnp.float32) * w)))(x)
     assert g.dtype == dtype and _rel_err(g_ref, g) < GRAD_TOL[dtype], _rel_err(g_ref, g)
     if dtype == jnp.bfloat16:  # closer to the fp32 values than jax.nn.gelu's bf16 forward and backward
         g_jax = jax.grad(lambda x: jnp.sum(jax.nn.gelu(x, approximate=True).astype(jnp.float32) * w))(x)
-        y_err, y_jax_err = (float(np.mean(np.abs(np.asarray(a, np.float32) - np.asarray(ref(x)))))
-                            for a in (y, jax.nn.gelu(x, approximate=True)))
-        g_err, g_jax_err = (float(np.mean(np.abs(np.asarray(a, np.float32) - np.asarray(g_ref))))
-                            for a in (g, g_jax))
+        y_err, y_jax_err = (
+            float(np.mean(np.abs(np.asarray(a, np.float32) - np.asarray(ref(x)))))
+            for a in (y, jax.nn.gelu(x, approximate=True))
+        )
+        g_err, g_jax_err = (float(np.mean(np.abs(np.asarray(a, np.float32) - np.asarray(g_ref)))) for a in (g, g_jax))
         assert y_err < y_jax_err and g_err < g_jax_err, (y_err, y_jax_err, g_err, g_jax_err)
 
 
@@ -102,8 +102,9 @@ def test_the_backward_keeps_no_fp32_activations_or_probabilities(capsys):
     no fp32 [B, L, D] (flax's LayerNorm kept three per norm) and no fp32 probabilities (jax's attention kept
     its softmax output besides the bf16 probabilities); and of the probabilities only the 4 query blocks'
     rows against the keys up to each block's end: 5/8 of L x L."""
-    cfg = ModelConfig(vocab_size=384, seq_len=32, d_model=64, n_layers=2, n_heads=4, compute_dtype="bfloat16",
-                      scan=False)
+    cfg = ModelConfig(
+        vocab_size=384, seq_len=32, d_model=64, n_layers=2, n_heads=4, compute_dtype="bfloat16", scan=False
+    )
     model = GPT(cfg)
     tokens = jnp.zeros((2, cfg.seq_len), jnp.int32)
     params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]

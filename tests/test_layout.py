@@ -28,8 +28,14 @@ sys.meta_path.insert(0, _Blocked())
 
 
 def _jax_free(code: str, *, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", BLOCKER + code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=child_env())
+    return subprocess.run(
+        [sys.executable, "-c", BLOCKER + code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(),
+    )
 
 
 def _cli(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -67,8 +73,15 @@ def test_cli_without_jax_help_survival():
 
 def test_prepare_without_jax(tmp_path):
     (tmp_path / "docs.jsonl").write_text("".join(f'{{"text": "document {i} " }}\n' * 3 for i in range(40)))
-    out = _cli("prepare", "--input", str(tmp_path / "docs.jsonl"), "--tokenizer", "bpe:300", "--out",
-               str(tmp_path / "prepared"))
+    out = _cli(
+        "prepare",
+        "--input",
+        str(tmp_path / "docs.jsonl"),
+        "--tokenizer",
+        "bpe:300",
+        "--out",
+        str(tmp_path / "prepared"),
+    )
     assert out.returncode == 0 and (tmp_path / "prepared" / "meta.json").is_file(), out.stderr[-2000:]
 
 
@@ -77,9 +90,19 @@ def test_supervisor_status_report_without_jax(tmp_path):
     """A whole supervised run whose supervisor cannot import jax (its worker, a separate process, can),
     then status and report on the result, just as jax-less."""
     run = tmp_path / "run"
-    micro = ["train.steps=10", "model.d_model=32", "model.n_heads=4", "model.n_layers=1", "model.seq_len=32",
-             "data.batch_size=8", "log.progress=false", "data.default_corpus_mb=0.3", "checkpoint.every_steps=5",
-             f"run.dir={run}", f"run.compile_cache={COMPILE_CACHE}"]
+    micro = [
+        "train.steps=10",
+        "model.d_model=32",
+        "model.n_heads=4",
+        "model.n_layers=1",
+        "model.seq_len=32",
+        "data.batch_size=8",
+        "log.progress=false",
+        "data.default_corpus_mb=0.3",
+        "checkpoint.every_steps=5",
+        f"run.dir={run}",
+        f"run.compile_cache={COMPILE_CACHE}",
+    ]
     out = _cli("--config", TINY, *sets(*micro), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert summary(run)["final_step"] == 10 and "goodput" in summary(run)
@@ -92,6 +115,9 @@ def test_supervisor_status_report_without_jax(tmp_path):
 
 def test_no_module_is_a_haystack():
     """Files under ~400 lines: a module that outgrows that holds two concerns (STYLE.md)."""
-    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "trainer").rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 420}
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in (ROOT / "trainer").rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 420
+    }
     assert not long, long

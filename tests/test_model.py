@@ -43,9 +43,12 @@ def test_logits_are_causal():
 def test_bf16_compute_and_remat_train_to_finite_losses():
     tokens = jax.random.randint(jax.random.key(2), (4, CFG.seq_len + 1), 0, 256)
     losses = {}
-    variants = {"fp32": CFG, "bf16": ModelConfig(**{**CFG.__dict__, "compute_dtype": "bfloat16"}),
-                "attention_remat": ModelConfig(**{**CFG.__dict__, "attention": "xla_remat"}),
-                **{p: ModelConfig(**{**CFG.__dict__, "remat": p}) for p in REMAT_POLICIES}}
+    variants = {
+        "fp32": CFG,
+        "bf16": ModelConfig(**{**CFG.__dict__, "compute_dtype": "bfloat16"}),
+        "attention_remat": ModelConfig(**{**CFG.__dict__, "attention": "xla_remat"}),
+        **{p: ModelConfig(**{**CFG.__dict__, "remat": p}) for p in REMAT_POLICIES},
+    }
     _, params = _init(CFG)  # the variants share one param tree (fp32 master params): initialised once
     for name, cfg in variants.items():
         model = GPT(cfg)
@@ -72,16 +75,22 @@ def test_flops_per_token_counts_attention():
 # model.py's docstring, for CFG: D=64, H=4, K=16, F=256, V=384, L=32, N=2 (scanned).
 D, H, K, F, V, L, N = 64, 4, 16, 256, 384, 32, 2
 TREE = {
-    "wte": ((V, D), ("vocab", "embed")), "wpe": ((L, D), ("seq", "embed")),
-    "blocks/ln_1/scale": ((N, D), ("layers", "norm")), "blocks/ln_1/bias": ((N, D), ("layers", "norm")),
+    "wte": ((V, D), ("vocab", "embed")),
+    "wpe": ((L, D), ("seq", "embed")),
+    "blocks/ln_1/scale": ((N, D), ("layers", "norm")),
+    "blocks/ln_1/bias": ((N, D), ("layers", "norm")),
     "blocks/qkv/kernel": ((N, D, 3, H, K), ("layers", "embed", None, "heads", "head_dim")),
     "blocks/qkv/bias": ((N, 3, H, K), ("layers", None, "heads", "head_dim")),
     "blocks/proj/kernel": ((N, H, K, D), ("layers", "heads", "head_dim", "embed")),
     "blocks/proj/bias": ((N, D), ("layers", "norm")),
-    "blocks/ln_2/scale": ((N, D), ("layers", "norm")), "blocks/ln_2/bias": ((N, D), ("layers", "norm")),
-    "blocks/fc/kernel": ((N, D, F), ("layers", "embed", "mlp")), "blocks/fc/bias": ((N, F), ("layers", "mlp")),
-    "blocks/out/kernel": ((N, F, D), ("layers", "mlp", "embed")), "blocks/out/bias": ((N, D), ("layers", "norm")),
-    "ln_f/scale": ((D,), ("norm",)), "ln_f/bias": ((D,), ("norm",)),
+    "blocks/ln_2/scale": ((N, D), ("layers", "norm")),
+    "blocks/ln_2/bias": ((N, D), ("layers", "norm")),
+    "blocks/fc/kernel": ((N, D, F), ("layers", "embed", "mlp")),
+    "blocks/fc/bias": ((N, F), ("layers", "mlp")),
+    "blocks/out/kernel": ((N, F, D), ("layers", "mlp", "embed")),
+    "blocks/out/bias": ((N, D), ("layers", "norm")),
+    "ln_f/scale": ((D,), ("norm",)),
+    "ln_f/bias": ((D,), ("norm",)),
 }
 
 

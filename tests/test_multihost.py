@@ -30,6 +30,7 @@ def ref(tmp_path_factory) -> tuple[Path, Path]:
 
 # --- the real thing: 2 processes ---------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_kill_and_hang_tear_the_group_down_and_the_run_ends_identical(tmp_path, ref):
     ref_run, corpus = ref
@@ -52,8 +53,9 @@ def test_kill_and_hang_tear_the_group_down_and_the_run_ends_identical(tmp_path, 
     assert hang["step"] == 22 and hang["phase"] == "step"
     hang_teardown_s = exits[1]["time"] - hang["time"]
     assert kill_teardown_s < 5 and hang_teardown_s < 5, (kill_teardown_s, hang_teardown_s)
-    print(f"teardown after SIGKILL of one process: {kill_teardown_s:.2f}s; after hang detection: "
-          f"{hang_teardown_s:.2f}s")
+    print(
+        f"teardown after SIGKILL of one process: {kill_teardown_s:.2f}s; after hang detection: {hang_teardown_s:.2f}s"
+    )
 
     # Bitwise the uninterrupted run, recomputed steps included.
     assert summary(run)["params_sha256"] == summary(ref_run)["params_sha256"]
@@ -84,10 +86,15 @@ def test_elastic_resume_on_another_process_count_keeps_the_global_order(tmp_path
         run_trainer(run, *group_overrides(corpus, *shape, f"train.stop_at_step={stop}"))
     restores = [e["step"] for e in events(run) if e["event"] == "restore"]
     assert restores == [10, 20]
-    shards = {d.name: sorted(p.name for p in (d / "state").glob("ocdbt.process_*"))
-              for d in (run / "checkpoints").glob("[0-9]*")}
-    assert shards == {"10": ["ocdbt.process_0", "ocdbt.process_1"], "20": ["ocdbt.process_0"],
-                      "30": ["ocdbt.process_0", "ocdbt.process_1"]}, shards
+    shards = {
+        d.name: sorted(p.name for p in (d / "state").glob("ocdbt.process_*"))
+        for d in (run / "checkpoints").glob("[0-9]*")
+    }
+    assert shards == {
+        "10": ["ocdbt.process_0", "ocdbt.process_1"],
+        "20": ["ocdbt.process_0"],
+        "30": ["ocdbt.process_0", "ocdbt.process_1"],
+    }, shards
 
     st = audit(run, "--compare", str(ref_run))
     assert st["process_counts"] == [1, 2] and st["compared_steps"] == 30, st
@@ -101,6 +108,7 @@ def test_elastic_resume_on_another_process_count_keeps_the_global_order(tmp_path
 
 # --- the audit catches the classic bugs (real grain pipelines, no training) ---------------------------
 
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     path = small_corpus(tmp_path_factory.mktemp("audit"))
@@ -111,15 +119,40 @@ def _windows(corpus) -> int:
     return len(data.TokenWindows.of(corpus, 64))
 
 
-def _session(run: Path, corpus, *, process: int, processes: int, start: int, stop: int, seed: int = 0,
-             skips: tuple = (), read_as: int | None = None, cursor: int | None = None) -> None:
+def _session(
+    run: Path,
+    corpus,
+    *,
+    process: int,
+    processes: int,
+    start: int,
+    stop: int,
+    seed: int = 0,
+    skips: tuple = (),
+    read_as: int | None = None,
+    cursor: int | None = None,
+) -> None:
     """Log what a worker process would read for steps [start, stop); `read_as`, `seed`, `cursor` inject bugs."""
-    it = data.make_iterator(DataConfig(batch_size=16, read_threads=1), corpus=corpus, seq_len=64, steps=40,
-                            seed=seed, process=process if read_as is None else read_as, processes=processes,
-                            skips=list(skips))
+    it = data.make_iterator(
+        DataConfig(batch_size=16, read_threads=1),
+        corpus=corpus,
+        seq_len=64,
+        steps=40,
+        seed=seed,
+        process=process if read_as is None else read_as,
+        processes=processes,
+        skips=list(skips),
+    )
     it.set_state({"next_index": start if cursor is None else cursor})
-    log = audit_lib.AuditLog(run, process=process, processes=processes, start=start, global_batch=16,
-                             epoch_windows=_windows(corpus), skips=list(skips))
+    log = audit_lib.AuditLog(
+        run,
+        process=process,
+        processes=processes,
+        start=start,
+        global_batch=16,
+        epoch_windows=_windows(corpus),
+        skips=list(skips),
+    )
     for k in range(start, stop):
         log.record(k, next(it))
 
@@ -144,8 +177,9 @@ def test_audit_catches_overlapping_shards(tmp_path, corpus):
     _session(tmp_path, corpus, process=1, processes=2, start=0, stop=10, read_as=0)  # reads process 0's rows
     assert any("overlapping shards" in p for p in _problems(tmp_path))
     # From the command line: exit 1, the offending steps named (what a CI job or a person acts on).
-    p = subprocess.run([sys.executable, "-m", "trainer", "audit", str(tmp_path)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "trainer", "audit", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 1 and "overlapping shards" in p.stdout + p.stderr, (p.returncode, p.stdout, p.stderr)
 
 
@@ -170,10 +204,12 @@ def test_audit_accepts_runbook_skips_but_not_consumed_skips(tmp_path, corpus):
     assert rep.problems == [] and st["skips"] == [11, 12], rep.problems
     bad = tmp_path / "bad"
     _session(bad, corpus, process=0, processes=1, start=0, stop=10)
-    log = audit_lib.AuditLog(bad, process=0, processes=1, start=10, global_batch=16, skips=[11],
-                             epoch_windows=_windows(corpus))
-    it = data.make_iterator(DataConfig(batch_size=16), corpus=corpus, seq_len=64, steps=40, seed=0, process=0,
-                            processes=1, skips=[])  # the skip list is ignored: batch 11 is read anyway
+    log = audit_lib.AuditLog(
+        bad, process=0, processes=1, start=10, global_batch=16, skips=[11], epoch_windows=_windows(corpus)
+    )
+    it = data.make_iterator(
+        DataConfig(batch_size=16), corpus=corpus, seq_len=64, steps=40, seed=0, process=0, processes=1, skips=[]
+    )  # the skip list is ignored: batch 11 is read anyway
     it.set_state({"next_index": 10})
     for k in range(10, 15):
         log.record(k, next(it))
@@ -181,18 +217,19 @@ def test_audit_accepts_runbook_skips_but_not_consumed_skips(tmp_path, corpus):
 
 
 def test_audit_cli_without_logs_says_how_to_enable_them(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "trainer", "audit", str(tmp_path)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "trainer", "audit", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 2 and "data.audit=true" in p.stderr
 
 
 # --- the launcher: process groups, SLURM steps, hot spares (no jax) ----------------------------------
 
+
 def _group(tmp_path: Path, body: str, processes: int = 3, grace_s: float = 5.0) -> launcher.LocalGroup:
     script = tmp_path / "w.py"
     script.write_text("import os, signal, sys, time\nme = int(os.environ['TRAINER_PROCESS_ID'])\n" + body)
-    return launcher.LocalGroup([sys.executable, str(script)], os.environ, processes=processes, port=1,
-                               grace_s=grace_s)
+    return launcher.LocalGroup([sys.executable, str(script)], os.environ, processes=processes, port=1, grace_s=grace_s)
 
 
 def test_one_dead_process_takes_the_group_down_at_once(tmp_path):
@@ -219,20 +256,30 @@ def test_group_output_is_labelled_by_process(tmp_path):
 def test_hot_spare_replaces_a_failed_node_and_keeps_the_mesh():
     nodes = ["n1", "n2", "n3", "n4", "n5"]  # 4 needed + 1 spare
     assert launcher.plan_nodes(nodes, set(), processes=4, per_node=1, min_processes=0) == (nodes[:4], 4)
-    assert launcher.plan_nodes(nodes, {"n2"}, processes=4, per_node=1, min_processes=0) == (
-        ["n1", "n3", "n4", "n5"], 4)
+    assert launcher.plan_nodes(nodes, {"n2"}, processes=4, per_node=1, min_processes=0) == (["n1", "n3", "n4", "n5"], 4)
     # No spare left: shrink to a divisor of the process count if allowed, else retry on the suspect node.
     assert launcher.plan_nodes(nodes[:4], {"n2"}, processes=4, per_node=1, min_processes=2) == (["n1", "n3"], 2)
     assert launcher.plan_nodes(nodes[:4], {"n2"}, processes=4, per_node=1, min_processes=0) == (
-        ["n1", "n3", "n4", "n2"], 4)
+        ["n1", "n3", "n4", "n2"],
+        4,
+    )
     assert launcher.plan_nodes(["a", "b"], {"a"}, processes=4, per_node=2, min_processes=2) == (["b"], 2)
 
 
 def test_srun_step_command_and_task_errors():
-    cmd = launcher.srun_command(["python", "-m", "trainer"], nodes=["n1", "n3"], processes=4, per_node=2,
-                                launch_id="trainer-x")
-    assert cmd[:8] == ["srun", "--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--nodelist=n1,n3",
-                       "--kill-on-bad-exit=1", "--label", "--job-name=trainer-x"]
+    cmd = launcher.srun_command(
+        ["python", "-m", "trainer"], nodes=["n1", "n3"], processes=4, per_node=2, launch_id="trainer-x"
+    )
+    assert cmd[:8] == [
+        "srun",
+        "--nodes=2",
+        "--ntasks=4",
+        "--ntasks-per-node=2",
+        "--nodelist=n1,n3",
+        "--kill-on-bad-exit=1",
+        "--label",
+        "--job-name=trainer-x",
+    ]
     assert launcher.task_error_code("Killed") == -signal.SIGKILL
     assert launcher.task_error_code("Exited with exit code 75") == 75
 
@@ -240,11 +287,19 @@ def test_srun_step_command_and_task_errors():
 def test_membership_from_explicit_settings_or_a_slurm_step():
     lc = LaunchConfig()
     assert membership.detect(lc, {}).source == "single"
-    m = membership.detect(lc, {"TRAINER_NUM_PROCESSES": "2", "TRAINER_PROCESS_ID": "1",
-                                "TRAINER_COORDINATOR": "h:1234"})
+    m = membership.detect(
+        lc, {"TRAINER_NUM_PROCESSES": "2", "TRAINER_PROCESS_ID": "1", "TRAINER_COORDINATOR": "h:1234"}
+    )
     assert (m.processes, m.process_id, m.coordinator) == (2, 1, "h:1234")
-    step = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "3", "SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4",
-            "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "gpu[012-015]", "TRAINER_ATTEMPT": "2"}
+    step = {
+        "SLURM_JOB_ID": "7",
+        "SLURM_STEP_ID": "3",
+        "SLURM_PROCID": "3",
+        "SLURM_STEP_NUM_TASKS": "4",
+        "SLURM_NTASKS": "8",
+        "SLURM_STEP_NODELIST": "gpu[012-015]",
+        "TRAINER_ATTEMPT": "2",
+    }
     m = membership.detect(lc, step)
     assert (m.processes, m.process_id, m.coordinator) == (4, 3, "gpu012:20009")
     batch = {k: v for k, v in step.items() if k != "SLURM_STEP_ID"}  # the batch script is not a task
@@ -254,9 +309,12 @@ def test_membership_from_explicit_settings_or_a_slurm_step():
 
 
 def test_launch_config_is_validated():
-    for bad, msg in (("launch.mode=mpi", "launch.mode"), ("launch.processes=0", "launch.processes"),
-                     ("launch.min_processes=3", "launch.min_processes"),
-                     ("launch.processes_per_node=3", "multiple of launch.processes_per_node")):
+    for bad, msg in (
+        ("launch.mode=mpi", "launch.mode"),
+        ("launch.processes=0", "launch.processes"),
+        ("launch.min_processes=3", "launch.min_processes"),
+        ("launch.processes_per_node=3", "multiple of launch.processes_per_node"),
+    ):
         with pytest.raises(ConfigError, match=msg):
             load_config(None, ["launch.processes=2", bad])
     with pytest.raises(ConfigError, match="SLURM allocation"):
@@ -264,6 +322,7 @@ def test_launch_config_is_validated():
 
 
 # --- start-up failures and preparing a raw corpus once per group ---------------------------------------
+
 
 def test_a_config_exit_of_one_process_takes_the_group_down_at_once(tmp_path):
     g = _group(tmp_path, "if me == 1:\n    time.sleep(0.5); sys.exit(2)\ntime.sleep(60)")
@@ -283,10 +342,16 @@ def started_twice(tmp_path_factory) -> tuple[Path, str, float, float]:
     corpus = small_corpus(tmp_path_factory.mktemp("corpus"))
     base = tmp_path_factory.mktemp("started_twice")
     run = base / "run"
-    over = group_overrides(corpus, *TWO, "train.steps=12", "checkpoint.every_steps=0",
-                           f"checkpoint.local_dir={base / 'local'}",
-                           "checkpoint.local_every_steps=10", "supervisor.step_timeout_s=4",
-                           "faults=[{kind: startup, step: 0}, {kind: slow, step: 10, phase: checkpoint, seconds: 8}]")
+    over = group_overrides(
+        corpus,
+        *TWO,
+        "train.steps=12",
+        "checkpoint.every_steps=0",
+        f"checkpoint.local_dir={base / 'local'}",
+        "checkpoint.local_every_steps=10",
+        "supervisor.step_timeout_s=4",
+        "faults=[{kind: startup, step: 0}, {kind: slow, step: 10, phase: checkpoint, seconds: 8}]",
+    )
     out = base / "supervisor.log"
     with open(out, "w") as log:
         sup = subprocess.Popen(trainer_cmd(run, *over), cwd=ROOT, env=child_env(), stdout=log, stderr=log)
@@ -349,8 +414,15 @@ def test_two_processes_on_a_cold_cache_prepare_once_three_times(tmp_path):
     for i in range(3):
         run, cache = tmp_path / f"run{i}", tmp_path / f"cache{i}"
         t0 = time.time()
-        run_trainer(run, f"data.path={corpus}", f"data.cache_dir={cache}", *TWO, "train.steps=3",
-                    "checkpoint.every_steps=0", "data.tokenizer=bpe:300")
+        run_trainer(
+            run,
+            f"data.path={corpus}",
+            f"data.cache_dir={cache}",
+            *TWO,
+            "train.steps=3",
+            "checkpoint.every_steps=0",
+            "data.tokenizer=bpe:300",
+        )
         ready = [e for e in events(run) if e["event"] == "data_ready"]
         assert ready[0]["prepared_now"] and not any(e["prepared_now"] for e in ready[1:]), ready
         fingerprints = {p: heartbeat(run, p)["data"] for p in (0, 1)}  # what each process read

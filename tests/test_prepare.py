@@ -22,8 +22,17 @@ def jsonl(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory, jsonl):
-    return prepared(tmp_path_factory.mktemp("bpe") / "out", "--input", jsonl, "--tokenizer", "bpe:512",
-                    "--val-fraction", "0.1", "--shard-tokens", "40000")
+    return prepared(
+        tmp_path_factory.mktemp("bpe") / "out",
+        "--input",
+        jsonl,
+        "--tokenizer",
+        "bpe:512",
+        "--val-fraction",
+        "0.1",
+        "--shard-tokens",
+        "40000",
+    )
 
 
 def _tokens(directory, split: str) -> np.ndarray:
@@ -54,14 +63,34 @@ def test_bpe_meta_shards_and_whole_documents_held_out(bpe, jsonl):
 
 
 def test_output_does_not_depend_on_the_worker_count(tmp_path, jsonl, bpe):
-    two = prepared(tmp_path / "two", "--input", jsonl, "--tokenizer", "bpe:512", "--val-fraction", "0.1",
-                   "--shard-tokens", "40000", "--workers", "2")
+    two = prepared(
+        tmp_path / "two",
+        "--input",
+        jsonl,
+        "--tokenizer",
+        "bpe:512",
+        "--val-fraction",
+        "0.1",
+        "--shard-tokens",
+        "40000",
+        "--workers",
+        "2",
+    )
     assert files_bytes(two) == files_bytes(bpe)
 
 
 def test_a_tokenizer_json_path_reproduces_the_bpe_tokens(tmp_path, jsonl, bpe):
-    again = prepared(tmp_path / "again", "--input", jsonl, "--tokenizer", bpe / "tokenizer.json",
-                     "--val-fraction", "0.1", "--shard-tokens", "40000")
+    again = prepared(
+        tmp_path / "again",
+        "--input",
+        jsonl,
+        "--tokenizer",
+        bpe / "tokenizer.json",
+        "--val-fraction",
+        "0.1",
+        "--shard-tokens",
+        "40000",
+    )
     assert meta(again)["tokenizer"].startswith("tokenizer.json sha256:") and meta(again)["vocab_size"] == 512
     assert meta(again)["fingerprint"] == meta(bpe)["fingerprint"]
 
@@ -76,8 +105,10 @@ def test_parquet_directory_and_jsonl_give_the_same_documents(tmp_path):
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
     for i, d in enumerate(docs):
         (tmp_path / "in" / f"{i}.txt").write_text(d)
-    outs = [prepared(tmp_path / f"out{k}", "--input", tmp_path / name, "--text-field", "body", "--val-fraction", "0")
-            for k, name in enumerate(("docs.parquet", "docs.jsonl", "in"))]
+    outs = [
+        prepared(tmp_path / f"out{k}", "--input", tmp_path / name, "--text-field", "body", "--val-fraction", "0")
+        for k, name in enumerate(("docs.parquet", "docs.jsonl", "in"))
+    ]
     want = np.concatenate([np.append(np.frombuffer(d.encode(), np.uint8), 256) for d in docs])
     for out in outs:
         assert (_tokens(out, "train") == want).all() and meta(out)["tokenizer"] == "bytes"
@@ -89,14 +120,26 @@ def test_from_tokens_imports_nanogpt_train_and_val_bins(tmp_path):
     train, val = rng.integers(0, 50257, 100_000, dtype=np.uint16), rng.integers(0, 50257, 5_000, dtype=np.uint16)
     train.tofile(tmp_path / "nano" / "train.bin")
     val.tofile(tmp_path / "nano" / "val.bin")
-    out = prepared(tmp_path / "out", "--from-tokens", tmp_path / "nano", "--dtype", "uint16", "--vocab-size", "50257",
-                   "--eos-id", "50256", "--shard-tokens", "30000")
+    out = prepared(
+        tmp_path / "out",
+        "--from-tokens",
+        tmp_path / "nano",
+        "--dtype",
+        "uint16",
+        "--vocab-size",
+        "50257",
+        "--eos-id",
+        "50256",
+        "--shard-tokens",
+        "30000",
+    )
     m = meta(out)
     assert (m["n_tokens"], m["n_val_tokens"], m["eos_id"], m["dtype"]) == (100_000, 5_000, 50256, "uint16")
     assert (_tokens(out, "train") == train).all() and (_tokens(out, "val") == val).all()
     assert [s["n_tokens"] for s in m["shards"]] == [30000, 30000, 30000, 10000, 5000]
-    bad = prepare_cli("--from-tokens", tmp_path / "nano", "--dtype", "uint16", "--vocab-size", "1000",
-                      "--out", tmp_path / "bad")
+    bad = prepare_cli(
+        "--from-tokens", tmp_path / "nano", "--dtype", "uint16", "--vocab-size", "1000", "--out", tmp_path / "bad"
+    )
     assert bad.returncode == 2 and "--vocab-size 1000" in bad.stderr and not (tmp_path / "bad").exists()
 
 
@@ -120,8 +163,9 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, jsonl):
     assert "no column 'text' (columns: body)" in _fails(tmp_path, "--input", tmp_path / "t.parquet")
     assert "--input not found" in _fails(tmp_path, "--input", tmp_path / "missing.txt")
     (tmp_path / "odd.bin").write_bytes(b"abc")
-    assert "not a whole number of uint16" in _fails(tmp_path, "--from-tokens", tmp_path / "odd.bin", "--dtype",
-                                                    "uint16", "--vocab-size", "300")
+    assert "not a whole number of uint16" in _fails(
+        tmp_path, "--from-tokens", tmp_path / "odd.bin", "--dtype", "uint16", "--vocab-size", "300"
+    )
     # tiktoken: nothing is downloaded; an encoding whose file is not cached locally is refused.
     env = dict(child_env(), TIKTOKEN_CACHE_DIR=str(tmp_path / "empty-cache"))
     assert "tiktoken" in _fails(tmp_path, "--input", jsonl, "--tokenizer", "tiktoken:gpt2", env=env)

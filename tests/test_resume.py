@@ -24,8 +24,11 @@ CASES = {
     "fsdp8_microbatches2": [*MESHES["fsdp8"], "train.microbatches=2"],
     "data8_dropout": [*MESHES["data8"], "model.dropout=0.1"],
     # 2x2x2 with microbatches is resumed with dropout on: the same code path, plus the saved PRNG key.
-    "data2_fsdp2_tensor2_microbatches2_dropout": [*MESHES["data2_fsdp2_tensor2"], "train.microbatches=2",
-                                                  "model.dropout=0.1"],
+    "data2_fsdp2_tensor2_microbatches2_dropout": [
+        *MESHES["data2_fsdp2_tensor2"],
+        "train.microbatches=2",
+        "model.dropout=0.1",
+    ],
 }
 
 
@@ -59,8 +62,10 @@ def test_meshes_microbatches_and_dropout_change_the_curve_only_as_they_should(re
     first5["fsdp8"] = [step_losses(reference_run(*MESHES["fsdp8"]))[k][0] for k in range(1, 6)]
     rel = max(abs(a - b) / abs(b) for name in first5 for a, b in zip(first5[name], first5["data8"]))
     micro = max(abs(curves["data8_microbatches2"][k][0] - curves["data8"][k][0]) for k in range(1, 31))
-    print(f"first 5 losses across data8/fsdp8/2x2x2: max relative difference {rel:.2e}; "
-          f"microbatches 2 vs 1 (data8, 30 steps): max loss difference {micro:.2e}")
+    print(
+        f"first 5 losses across data8/fsdp8/2x2x2: max relative difference {rel:.2e}; "
+        f"microbatches 2 vs 1 (data8, 30 steps): max loss difference {micro:.2e}"
+    )
     assert rel < 1e-3 and micro < 1e-3
     # Dropout draws from the saved key: a different curve, the same one on every resume (above).
     assert curves["data8_dropout"][1][0] != curves["data8"][1][0]
@@ -77,9 +82,13 @@ def test_resume_on_another_software_stack_warns_once(tmp_path):
     warnings = [ln for ln in proc.stderr.splitlines() if ln.startswith("warning: resuming on another software")]
     assert len(warnings) == 1, proc.stderr[-2000:]
     assert summary(run)["final_step"] == 10
-    meta = stack_changes({"versions": {"jax": "0.0.1", "jaxlib": "0.0.1", **{p: versions()[p] for p in
-                                       ("flax", "optax")}}, "config": {"run": {"deterministic": True}}},
-                         load_config(None, ["run.deterministic=true"]))
+    meta = stack_changes(
+        {
+            "versions": {"jax": "0.0.1", "jaxlib": "0.0.1", **{p: versions()[p] for p in ("flax", "optax")}},
+            "config": {"run": {"deterministic": True}},
+        },
+        load_config(None, ["run.deterministic=true"]),
+    )
     assert meta == [f"jax 0.0.1 -> {versions()['jax']}", f"jaxlib 0.0.1 -> {versions()['jaxlib']}"]
 
 

@@ -23,12 +23,21 @@ def _cfg(**kw) -> RunbookConfig:
     return RunbookConfig(**{"window": 32, "warmup_steps": 20, "min_history": 8, "probe_steps": 4, **kw})
 
 
-def _detector(cfg: RunbookConfig | None = None, *, stop_step: int = 10_000, events_path: Path | None = None,
-              skips: tuple[int, ...] = ()):
+def _detector(
+    cfg: RunbookConfig | None = None,
+    *,
+    stop_step: int = 10_000,
+    events_path: Path | None = None,
+    skips: tuple[int, ...] = (),
+):
     logged = []
     det = spikes.SpikeDetector(
-        cfg or _cfg(), log=lambda event, **f: logged.append({"event": event, **f}),
-        batch_of=lambda s: batch_index(s - 1, list(skips)), stop_step=stop_step, events_path=events_path)
+        cfg or _cfg(),
+        log=lambda event, **f: logged.append({"event": event, **f}),
+        batch_of=lambda s: batch_index(s - 1, list(skips)),
+        stop_step=stop_step,
+        events_path=events_path,
+    )
     return det, logged
 
 
@@ -146,8 +155,9 @@ def test_a_restarted_detector_judges_against_the_history_before_it(tmp_path):
     the latest record of each step <= 40 (a recomputed step counts once)."""
     stream = list(_stream(60))
     old = [{"event": "step", "step": s, **r} for s, r in stream[:45]]
-    old += [{"event": "step", "step": s, "loss": 99.0, "grad_norm": 99.0, "update_norm": 0.3}
-            for s in range(41, 45)]  # the rewound trajectory: after step 40, never used
+    old += [
+        {"event": "step", "step": s, "loss": 99.0, "grad_norm": 99.0, "update_norm": 0.3} for s in range(41, 45)
+    ]  # the rewound trajectory: after step 40, never used
     old.insert(10, {"event": "checkpoint_saved", "step": 10})
     _write_events(tmp_path / "events.jsonl", old)
     with open(tmp_path / "events.jsonl", "a") as fh:
@@ -215,14 +225,23 @@ def _run_dir(tmp_path: Path, ckpts: list[int], spike: dict) -> Path:
 
 def test_respond_rewinds_skips_and_records_everything(tmp_path, monkeypatch):
     cfg = Config()
-    run = _run_dir(tmp_path, [20, 40, 60], dict(_spike(41, end=43, batches=[40, 41, 42], step=44), signal="loss",
-                                                 value=7.8, threshold=3.9, open=False))
+    run = _run_dir(
+        tmp_path,
+        [20, 40, 60],
+        dict(_spike(41, end=43, batches=[40, 41, 42], step=44), signal="loss", value=7.8, threshold=3.9, open=False),
+    )
     # The new skip list may be written only once the spiked checkpoints are out of the way: a kill right
     # after it is written must not leave it next to a checkpoint that already trained on the spike (a kill
     # before it is harmless: the old skips and the old checkpoint replay the spike and the runbook runs again).
     at_save, save = [], runbook.RunbookState.save
-    monkeypatch.setattr(runbook.RunbookState, "save", lambda self, d: (at_save.append(
-        sorted(p.name for p in (d / "checkpoints").iterdir() if p.name.isdigit())), save(self, d))[1])
+    monkeypatch.setattr(
+        runbook.RunbookState,
+        "save",
+        lambda self, d: (
+            at_save.append(sorted(p.name for p in (d / "checkpoints").iterdir() if p.name.isdigit())),
+            save(self, d),
+        )[1],
+    )
     written = []
     out = runbook.respond(run, cfg, lambda event, **f: written.append({"event": event, **f}))
     assert at_save == [["20", "40"]], at_save
@@ -245,8 +264,22 @@ def test_respond_softens_on_recurrence_and_gives_up_saying_what_it_tried(tmp_pat
     cfg.runbook.b2 = 0.9
     run = _run_dir(tmp_path, [20], dict(_spike(25, step=27), signal="loss", value=17.0, threshold=4.0, open=True))
     state = runbook.RunbookState.load(run, cfg.optim)
-    state.skips, state.history = [17], [{"action": "skip", "n": 1, "from": 20, "to": 10, **_spike(18),
-                                         "signal": "loss", "value": 68.0, "threshold": 5.9, "open": True}]
+    state.skips, state.history = (
+        [17],
+        [
+            {
+                "action": "skip",
+                "n": 1,
+                "from": 20,
+                "to": 10,
+                **_spike(18),
+                "signal": "loss",
+                "value": 68.0,
+                "threshold": 5.9,
+                "open": True,
+            }
+        ],
+    )
     state.save(run)
     written = []
     out = runbook.respond(run, cfg, lambda event, **f: written.append({"event": event, **f}))
@@ -258,9 +291,20 @@ def test_respond_softens_on_recurrence_and_gives_up_saying_what_it_tried(tmp_pat
     softened = runbook.softened_config(cfg, runbook.RunbookState.load(run, cfg.optim))
     assert (softened.optim.lr, softened.optim.clip_norm, softened.optim.b2) == (cfg.optim.lr / 2, 0.5, 0.9)
 
-    _write_events(run / "events.jsonl", [{"event": "worker_start"},
-                                         {"event": "spike_exit", **_spike(26, step=28), "signal": "nonfinite_loss",
-                                          "value": math.nan, "threshold": None, "open": False}])
+    _write_events(
+        run / "events.jsonl",
+        [
+            {"event": "worker_start"},
+            {
+                "event": "spike_exit",
+                **_spike(26, step=28),
+                "signal": "nonfinite_loss",
+                "value": math.nan,
+                "threshold": None,
+                "open": False,
+            },
+        ],
+    )
     out = runbook.respond(run, cfg, lambda event, **f: written.append({"event": event, **f}))
     assert out.action == "give_up"
     assert "gave up after 2 actions" in out.message and "skipped batches 17" in out.message
@@ -279,9 +323,16 @@ def test_sample_ranges_merge_contiguous_batches():
     assert runbook.sample_ranges([3, 1, 2, 7], 4) == [[4, 15], [28, 31]]
 
 
-@pytest.mark.parametrize("bad, match", [("runbook.lr_factor=2", "lr_factor"), ("runbook.window=0", "window"),
-                                        ("runbook.b2=1.5", "b2"), ("runbook.min_history=500", "min_history"),
-                                        ("runbook.onset_sigma=9", "onset_sigma")])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ("runbook.lr_factor=2", "lr_factor"),
+        ("runbook.window=0", "window"),
+        ("runbook.b2=1.5", "b2"),
+        ("runbook.min_history=500", "min_history"),
+        ("runbook.onset_sigma=9", "onset_sigma"),
+    ],
+)
 def test_bad_runbook_settings_are_config_errors(bad, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, [bad])

@@ -22,8 +22,13 @@ from trainer.supervise import exit_codes
 pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -m 'not slow')
 
 # Micro runs leave their fast early drop by step ~20: judge from there, on a short window.
-RB = ["runbook.window=16", "runbook.min_history=8", "runbook.warmup_steps=20", "runbook.probe_steps=4",
-      "log.report=false"]
+RB = [
+    "runbook.window=16",
+    "runbook.min_history=8",
+    "runbook.warmup_steps=20",
+    "runbook.probe_steps=4",
+    "log.report=false",
+]
 
 
 def _first(run: Path, kind: str) -> dict:
@@ -38,8 +43,9 @@ def test_a_data_spike_is_rewound_and_exactly_its_batches_skipped(tmp_path):
     # Batches 39-41 are random bytes, read by steps 40-42 in sequential order. The checkpoint of step 40
     # already holds the first garbage update; with keep_latest=1 only the runbook's retention pins keep a
     # checkpoint from before it (30).
-    clean, spiked, bad = write_corpora(tmp_path / "data", batch_tokens=16 * 64, text_bytes=70 * 1024,
-                                       garbage_at=39, garbage_batches=3)
+    clean, spiked, bad = write_corpora(
+        tmp_path / "data", batch_tokens=16 * 64, text_bytes=70 * 1024, garbage_at=39, garbage_batches=3
+    )
     common = [*RB, "train.steps=60", "data.shuffle=false", "checkpoint.keep_latest=1"]
     run_trainer(tmp_path / "clean", *common, f"data.path={clean}", worker=True)
     assert not [e for e in events(tmp_path / "clean") if e["event"].startswith("spike")]  # no false positive
@@ -112,16 +118,27 @@ def test_a_recurring_spike_softens_and_a_persistent_one_gives_up(tmp_path):
     softened LR in events, TensorBoard and config.yaml). That fault repeats on every attempt, so after
     max_actions=2 the runbook gives up with its own exit code and says what it tried."""
     run = tmp_path / "run"
-    proc = run_trainer(run, "runbook.window=8", "runbook.min_history=4", "runbook.warmup_steps=10",
-                       "runbook.probe_steps=2", "runbook.b2=0.9", "runbook.max_actions=2", "log.report=false",
-                       "faults=[{kind: spike, step: 16, scale: 1000}, {kind: spike, step: 23, scale: 1000, "
-                       "repeat: true}]", check=False)
+    proc = run_trainer(
+        run,
+        "runbook.window=8",
+        "runbook.min_history=4",
+        "runbook.warmup_steps=10",
+        "runbook.probe_steps=2",
+        "runbook.b2=0.9",
+        "runbook.max_actions=2",
+        "log.report=false",
+        "faults=[{kind: spike, step: 16, scale: 1000}, {kind: spike, step: 23, scale: 1000, repeat: true}]",
+        check=False,
+    )
     assert proc.returncode == exit_codes.RUNBOOK_GAVE_UP, proc.stderr[-2000:]
     assert "runbook gave up after 2 actions" in proc.stderr and "skipped batches" in proc.stderr
     assert "softened: LR scale 0.5, clip 0.5, b2 0.9" in proc.stderr
     evs = events(run)
-    assert [e["event"] for e in evs if e["event"] in ("skip", "soften", "runbook_gave_up")] == \
-        ["skip", "soften", "runbook_gave_up"]
+    assert [e["event"] for e in evs if e["event"] in ("skip", "soften", "runbook_gave_up")] == [
+        "skip",
+        "soften",
+        "runbook_gave_up",
+    ]
     soften = _first(run, "soften")
     lr = yaml.safe_load((run / "config.yaml").read_text())["optim"]
     assert (soften["lr_scale"], soften["clip_norm"], soften["b2"]) == (0.5, 0.5, 0.9)

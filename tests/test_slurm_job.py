@@ -36,8 +36,13 @@ pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -
 
 
 def _require_slurm() -> None:
-    reason = ("SLURM binaries not installed (run .ci/install-slurm.sh)" if not slurm_available()
-              else "a private SLURM cluster needs root (slurmd)" if os.geteuid() != 0 else "")
+    reason = (
+        "SLURM binaries not installed (run .ci/install-slurm.sh)"
+        if not slurm_available()
+        else "a private SLURM cluster needs root (slurmd)"
+        if os.geteuid() != 0
+        else ""
+    )
     if reason and os.environ.get("CI"):
         pytest.fail(f"CI is set but {reason}")
     if reason:
@@ -51,17 +56,41 @@ def test_sbatch_job_survives_a_killed_task_and_a_preemption(tmp_path, tmp_path_f
     # Two tasks on the one node stand for two hosts; a real job has one task per node.
     # Steps from 16 on are slowed (process 0 sleeps; the numbers do not change) so that the preemption
     # below lands before the run's end even on a fast machine.
-    args = ["--config", TINY, *sets(*MICRO, f"run.dir={run}", *group_overrides(corpus, *TWO),
-                                    "launch.processes_per_node=2", "faults=[{kind: slow, step: 16, seconds: 0.3, "
-                                    "count: 14}]")]
+    args = [
+        "--config",
+        TINY,
+        *sets(
+            *MICRO,
+            f"run.dir={run}",
+            *group_overrides(corpus, *TWO),
+            "launch.processes_per_node=2",
+            "faults=[{kind: slow, step: 16, seconds: 0.3, count: 14}]",
+        ),
+    ]
     t0 = time.time()
     with local_slurm(tmp_path / "slurm", cpus=4, cred_expire=5) as env:
         env = dict(env, TRAINER_PYTHON=sys.executable)
         # The job script asks for a GPU node's GPUs and cores: this loopback node has neither.
-        job = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
-                              "--gpus-per-task=0", "--cpus-per-task=1", f"--chdir={ROOT}", f"--output={out}",
-                              str(ROOT / "launch" / "slurm.sbatch"), *args],
-                             env=env, capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+        job = subprocess.run(
+            [
+                "sbatch",
+                "--parsable",
+                "--nodes=1",
+                "--ntasks=2",
+                "--ntasks-per-node=2",
+                "--gpus-per-task=0",
+                "--cpus-per-task=1",
+                f"--chdir={ROOT}",
+                f"--output={out}",
+                str(ROOT / "launch" / "slurm.sbatch"),
+                *args,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout.strip()
         alive = lambda: job_state(job, env) not in TERMINAL_STATES
 
         victim = at_step(run, 1, 14, alive)  # task 1, past the checkpoint at step 10
@@ -93,12 +122,14 @@ def test_teardown_kills_running_jobs(tmp_path):
     _require_slurm()
     started = tmp_path / "started"
     script = tmp_path / "long.sbatch"
-    script.write_text(textwrap.dedent(f"""\
+    script.write_text(
+        textwrap.dedent(f"""\
         #!/bin/bash
         #SBATCH --ntasks=2
         #SBATCH --output={tmp_path}/long.out
         srun bash -c 'touch {started}.$SLURM_PROCID; trap "" TERM; sleep 600'
-        """))
+        """)
+    )
     script.chmod(0o755)
     with local_slurm(tmp_path / "slurm", cpus=4) as env:
         job = sbatch(script, env, f"--chdir={tmp_path}")

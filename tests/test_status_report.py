@@ -19,13 +19,17 @@ from trainer.observe import goodput, status
 PNGS = ("loss.png", "grad_norm.png", "throughput.png", "goodput.png")
 # The worker kills itself with SIGUSR2 at step 12 (the `signal` fault; restart from the step-10 checkpoint),
 # then slow steps keep the run observable.
-RUN = ["train.steps=36", "log.report=true", "faults=[{kind: signal, step: 12, signal: SIGUSR2}, "
-       "{kind: slow, step: 16, seconds: 0.25, count: 20}]"]
+RUN = [
+    "train.steps=36",
+    "log.report=true",
+    "faults=[{kind: signal, step: 12, signal: SIGUSR2}, {kind: slow, step: 16, seconds: 0.25, count: 20}]",
+]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env=child_env())
+    return subprocess.run(
+        [sys.executable, "-m", "trainer", *args], cwd=ROOT, capture_output=True, text=True, timeout=120, env=child_env()
+    )
 
 
 def _steps_after_restart(run: Path) -> int:
@@ -39,7 +43,7 @@ def _steps_after_restart(run: Path) -> int:
     starts = [i for i, e in enumerate(evs) if e["event"] in status.ATTEMPT_START]
     if len(starts) < 2:
         return 0
-    return max((e["step"] for e in evs[starts[-1]:] if e["event"] == "step"), default=0)
+    return max((e["step"] for e in evs[starts[-1] :] if e["event"] == "step"), default=0)
 
 
 def _check_pngs(folder: Path) -> None:
@@ -121,16 +125,27 @@ def test_the_goodput_ledger_puts_known_seconds_in_each_category():
         return ev("step", at, step=n, step_s=step_s, ckpt_block_s=block)
 
     history = [
-        ev("supervisor_start", 0), ev("worker_start", 0.5, by="supervisor"),
-        step(1, 10), step(2, 12, block=0.5), step(3, 14),  # startup: 0 -> 8 (step 1 began at 10 - 2)
-        ev("worker_exit", 15, by="supervisor", exit_code=13), ev("restart", 15.25, by="supervisor"),
+        ev("supervisor_start", 0),
+        ev("worker_start", 0.5, by="supervisor"),
+        step(1, 10),
+        step(2, 12, block=0.5),
+        step(3, 14),  # startup: 0 -> 8 (step 1 began at 10 - 2)
+        ev("worker_exit", 15, by="supervisor", exit_code=13),
+        ev("restart", 15.25, by="supervisor"),
         ev("worker_start", 15.5, by="supervisor"),
-        step(2, 25), step(3, 27), step(4, 29),  # 2 and 3 again: recomputed; recovery 15 -> 25
+        step(2, 25),
+        step(3, 27),
+        step(4, 29),  # 2 and 3 again: recomputed; recovery 15 -> 25
         ev("run_complete", 31, step=4),  # the worker's: 29 -> 31 waiting for the final save to be durable
-        ev("worker_exit", 32, by="supervisor", exit_code=0), ev("run_complete", 33, by="supervisor"),
+        ev("worker_exit", 32, by="supervisor", exit_code=0),
+        ev("run_complete", 33, by="supervisor"),
         # A resumed session 66 s later (the gap is no one's): its start-up counts as restart downtime.
-        ev("supervisor_start", 100), step(5, 110), ev("hang_detected", 111, by="supervisor"),
-        ev("worker_start", 113, by="supervisor"), step(6, 120, step_s=4.0), ev("run_complete", 122, step=6),
+        ev("supervisor_start", 100),
+        step(5, 110),
+        ev("hang_detected", 111, by="supervisor"),
+        ev("worker_start", 113, by="supervisor"),
+        step(6, 120, step_s=4.0),
+        ev("run_complete", 122, step=6),
     ]
     history.insert(3, history.pop())  # file order is not time order: the ledger sorts by time
     led = goodput.ledger(history, t, t + 125)
@@ -139,8 +154,14 @@ def test_the_goodput_ledger_puts_known_seconds_in_each_category():
     # shutdown 33 - 31 = 2, restart the rest: 33 - 24 = 9. Session 2 (100 -> 125): productive 2 + 4,
     # checkpoint 122 - 120 = 2, shutdown 125 - 122 = 3, restart 25 - 11 = 14 (its start 100 -> 108, and
     # 110 -> 116: the hang, its detection and the restart).
-    assert secs == {"productive": 13.5, "recompute": 4.0, "checkpoint": 4.5, "startup": 8.0, "shutdown": 5.0,
-                    "restart": 23.0}, secs
+    assert secs == {
+        "productive": 13.5,
+        "recompute": 4.0,
+        "checkpoint": 4.5,
+        "startup": 8.0,
+        "shutdown": 5.0,
+        "restart": 23.0,
+    }, secs
     assert led["wall_s"] == 58.0 and led["recoveries_s"] == [10.0, 9.0]
     assert led["goodput"]["fractions"] == {k: v / 58.0 for k, v in secs.items()}
 

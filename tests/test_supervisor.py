@@ -32,8 +32,14 @@ def _heartbeat(run: Path) -> dict | None:
 
 
 def _start(run: Path, *overrides: str) -> subprocess.Popen:
-    return subprocess.Popen(trainer_cmd(run, *overrides), cwd=ROOT, env=child_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        trainer_cmd(run, *overrides),
+        cwd=ROOT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for(pred, timeout: float, what: str):
@@ -50,6 +56,7 @@ def _worker_at(run: Path, min_step: int, phase: str = "step", not_pid: int | Non
     def ok():
         hb = _heartbeat(run)
         return hb if hb and hb["phase"] == phase and hb["step"] >= min_step and hb["pid"] != not_pid else None
+
     return _wait_for(ok, 180, f"worker at step >= {min_step} in phase {phase}")
 
 
@@ -88,13 +95,20 @@ def test_chaos_sigkill_at_random_moments_including_mid_checkpoint(tmp_path, refe
 
 # A hang in every phase, each caught by its own timeout: startup and compile (startup_timeout_s), restore,
 # the step (an injected one at 8; a SIGSTOP from outside later), and a checkpoint write at step 10.
-PHASE_HANGS = ("faults=[{kind: hang, step: 0, phase: startup}, {kind: hang, step: 0, phase: restore}, "
-               "{kind: hang, step: 0, phase: compile}, {kind: hang, step: 8}, "
-               "{kind: hang, step: 10, phase: checkpoint}]")
+PHASE_HANGS = (
+    "faults=[{kind: hang, step: 0, phase: startup}, {kind: hang, step: 0, phase: restore}, "
+    "{kind: hang, step: 0, phase: compile}, {kind: hang, step: 8}, "
+    "{kind: hang, step: 10, phase: checkpoint}]"
+)
 TIMEOUTS = {"startup": 10, "compile": 10, "restore": 6, "step": 4, "checkpoint": 8}
 # Where each phase's hang sits in the worker (the fault's hook, called by): its stack dump must show it.
-HUNG_IN = {"startup": ("_enter", "run"), "restore": ("_enter", "_restore_or_init"), "compile": ("_enter", "_compile"),
-           "step": ("before_step", "_train"), "checkpoint": ("_enter", "_save")}
+HUNG_IN = {
+    "startup": ("_enter", "run"),
+    "restore": ("_enter", "_restore_or_init"),
+    "compile": ("_enter", "_compile"),
+    "step": ("before_step", "_train"),
+    "checkpoint": ("_enter", "_save"),
+}
 
 
 def test_hangs_in_every_phase_are_detected_by_their_own_timeout_dumped_and_recovered(tmp_path, reference_run):
@@ -112,15 +126,18 @@ def test_hangs_in_every_phase_are_detected_by_their_own_timeout_dumped_and_recov
     hangs = [e for e in events(run) if e["event"] == "hang_detected"]
     phases = ["startup", "restore", "compile", "step", "checkpoint", "step"]
     assert [(h["phase"], h["step"], h["timeout_s"]) for h in hangs] == [
-        (p, s, TIMEOUTS[p]) for p, s in zip(phases, (0, 0, 0, 8, 10, second["step"]))], hangs
+        (p, s, TIMEOUTS[p]) for p, s in zip(phases, (0, 0, 0, 8, 10, second["step"]))
+    ], hangs
     assert all(h["timeout_s"] <= h["silent_s"] <= h["timeout_s"] + 3 for h in hangs), hangs
     assert [h["pid"] for h in hangs][3::2] == [first["pid"], second["pid"]]
     assert hangs[-1]["time"] - stopped_at <= 4 + 3
     for h, phase in zip(hangs[:5], phases):  # where each injected hang sleeps, in its stack dump
         stacks = (run / "stacks" / f"worker-{h['pid']}.txt").read_text()
         hook, caller = HUNG_IN[phase]
-        assert "faults.py" in stacks and re.search(rf"in {hook}\n\s*File \"[^\"]+\", line \d+ in {caller}\n",
-                                                    stacks), (phase, stacks[-2000:])
+        assert "faults.py" in stacks and re.search(rf"in {hook}\n\s*File \"[^\"]+\", line \d+ in {caller}\n", stacks), (
+            phase,
+            stacks[-2000:],
+        )
     _assert_same_as_reference(run, ref)
 
 
@@ -133,8 +150,11 @@ def test_sigkill_to_the_supervisor_leaves_no_worker_and_rerun_resumes(tmp_path, 
     _wait_for(lambda: manifest.sealed(run / "checkpoints" / "10"), 60, "checkpoint 10 to be sealed")
     sup.kill()
     sup.wait()
-    _wait_for(lambda: not psutil.pid_exists(hb["pid"]) or psutil.Process(hb["pid"]).status() == "zombie",
-              10, "worker to die with its supervisor")
+    _wait_for(
+        lambda: not psutil.pid_exists(hb["pid"]) or psutil.Process(hb["pid"]).status() == "zombie",
+        10,
+        "worker to die with its supervisor",
+    )
     run_trainer(run)
     restores = [e["step"] for e in events(run) if e["event"] == "restore"]
     assert restores and restores[-1] >= 10
@@ -160,8 +180,9 @@ def test_sigterm_saves_and_exits_with_the_requeue_code(tmp_path, reference_run):
 def test_a_crash_loop_gives_up_with_the_step_and_the_last_error(tmp_path):
     run = tmp_path / "run"
     t0 = time.time()
-    proc = run_trainer(run, "faults=[{kind: crash, step: 12, repeat: true}]", "supervisor.backoff_s=0.2",
-                       check=False, timeout=300)
+    proc = run_trainer(
+        run, "faults=[{kind: crash, step: 12, repeat: true}]", "supervisor.backoff_s=0.2", check=False, timeout=300
+    )
     assert proc.returncode == exit_codes.CRASH_LOOP, proc.stderr[-2000:]
     assert "crash loop" in proc.stderr and "at step 12" in proc.stderr and "exit code 13" in proc.stderr
     assert time.time() - t0 < 120
@@ -173,9 +194,16 @@ def test_the_restart_budget_ends_the_run_with_exit_77_after_bounded_backoff(tmp_
     restarts: the first retry is at once, then the delay doubles from backoff_s up to backoff_max_s, and the
     5th failure spends the budget: exit 77, whatever crash_loop_restarts would allow."""
     run = tmp_path / "run"
-    proc = run_trainer(run, "faults=[{kind: startup, step: 0, repeat: true}]", "supervisor.max_restarts=4",
-                       "supervisor.crash_loop_restarts=10", "supervisor.backoff_s=0.2", "supervisor.backoff_max_s=0.5",
-                       check=False, timeout=300)
+    proc = run_trainer(
+        run,
+        "faults=[{kind: startup, step: 0, repeat: true}]",
+        "supervisor.max_restarts=4",
+        "supervisor.crash_loop_restarts=10",
+        "supervisor.backoff_s=0.2",
+        "supervisor.backoff_max_s=0.5",
+        check=False,
+        timeout=300,
+    )
     assert proc.returncode == exit_codes.RESTART_BUDGET, proc.stderr[-2000:]
     assert f"giving up ({exit_codes.NAMES[exit_codes.RESTART_BUDGET]})" in proc.stderr, proc.stderr[-2000:]
     evs = events(run)

@@ -43,9 +43,17 @@ def test_cli_json_has_the_promised_keys(capsys: pytest.CaptureFixture[str]) -> N
     rc, out, _ = run_cli(capsys, "--json", "--since-checkpoint-h", "6")
     assert rc == 0
     report = json.loads(out)
-    for key in ("expected_failures", "lost_per_crash_gpu_hours", "recompute_gpu_hours",
-                "checkpoint_overhead_gpu_hours", "restart_gpu_hours", "wasted_gpu_hours", "wasted_fraction",
-                "effective_mfu", "verdict"):
+    for key in (
+        "expected_failures",
+        "lost_per_crash_gpu_hours",
+        "recompute_gpu_hours",
+        "checkpoint_overhead_gpu_hours",
+        "restart_gpu_hours",
+        "wasted_gpu_hours",
+        "wasted_fraction",
+        "effective_mfu",
+        "verdict",
+    ):
         assert key in report
     assert report["expected_failures"] == pytest.approx(10.32192)
     assert report["lost_per_crash_gpu_hours"] == 512
@@ -103,8 +111,9 @@ def test_scaling_to_8192_gpus() -> None:
 def test_exact_model_is_close_to_first_order_when_failures_are_rare() -> None:
     m, ex = expectation(DEFAULT), exact(DEFAULT)
     assert ex["wasted_gpu_hours"] == pytest.approx(m["wasted_gpu_hours"], rel=0.02)
-    assert ex["expected_completion_days"] == pytest.approx(21 * (1 + m["wasted_gpu_hours"] / m["run_gpu_hours"]),
-                                                           rel=1e-3)
+    assert ex["expected_completion_days"] == pytest.approx(
+        21 * (1 + m["wasted_gpu_hours"] / m["run_gpu_hours"]), rel=1e-3
+    )
 
 
 def test_monte_carlo_agrees_with_both_models() -> None:
@@ -136,8 +145,10 @@ def test_recommend_interval_min() -> None:
 
 
 def test_import_is_light() -> None:
-    code = ("import sys, trainer.survival.model, trainer.survival.cli; "
-            "print([m for m in ('jax', 'numpy', 'matplotlib') if m in sys.modules])")
+    code = (
+        "import sys, trainer.survival.model, trainer.survival.cli; "
+        "print([m for m in ('jax', 'numpy', 'matplotlib') if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -151,15 +162,27 @@ def test_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 def write_run(run_dir: Path) -> None:
     events = [{"event": "run_start", "time": 0.0}]
-    events += [{"event": "step", "time": float(i), "step": i, "loss": 3.0, "grad_norm": 1.0, "lr": 1e-3,
-                "tokens_per_s": 1e5, "mfu": mfu} for i, mfu in enumerate([0.40, 0.42, 0.50])]
-    events += [{"event": "checkpoint_saved", "time": 10.0 + i, "step": i, "blocking_s": b} for i, b in
-               enumerate([2.0, 3.0, 10.0])]
+    events += [
+        {
+            "event": "step",
+            "time": float(i),
+            "step": i,
+            "loss": 3.0,
+            "grad_norm": 1.0,
+            "lr": 1e-3,
+            "tokens_per_s": 1e5,
+            "mfu": mfu,
+        }
+        for i, mfu in enumerate([0.40, 0.42, 0.50])
+    ]
+    events += [
+        {"event": "checkpoint_saved", "time": 10.0 + i, "step": i, "blocking_s": b}
+        for i, b in enumerate([2.0, 3.0, 10.0])
+    ]
     lines = [json.dumps(e) for e in events] + ["{not json"]
     (run_dir / "events.jsonl").write_text("\n".join(lines) + "\n")
     seconds = {"productive": 1000.0, "recompute": 50.0, "restart": 900.0, "checkpoint": 5.0, "startup": 20.0}
-    (run_dir / "summary.json").write_text(json.dumps({"goodput": {"fractions": {}, "seconds": seconds},
-                                                      "restarts": 3}))
+    (run_dir / "summary.json").write_text(json.dumps({"goodput": {"fractions": {}, "seconds": seconds}, "restarts": 3}))
 
 
 def test_from_run_uses_measurements(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -187,21 +210,24 @@ def test_from_run_falls_back_and_says_so(tmp_path: Path, capsys: pytest.CaptureF
     assert json.loads(out)["inputs"]["restart_min"] == 10
 
 
-@pytest.mark.parametrize(("argv", "option"), [
-    (["--gpus", "-5"], "--gpus"),
-    (["--gpus", "2.5"], "--gpus"),
-    (["--mtbf-hours", "0"], "--mtbf-hours"),
-    (["--interval-min", "-1"], "--interval-min"),
-    (["--interval-min", "sometimes"], "--interval-min"),
-    (["--days", "nan"], "--days"),
-    (["--stall-s", "-1"], "--stall-s"),
-    (["--restart-min", "-3"], "--restart-min"),
-    (["--mfu", "0"], "--mfu"),
-    (["--mfu", "45"], "--mfu"),
-    (["--monte-carlo", "1"], "--monte-carlo"),
-    (["--from-run", "/nonexistent/run"], "--from-run"),
-    (["--bogus"], "--bogus"),
-])
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["--gpus", "-5"], "--gpus"),
+        (["--gpus", "2.5"], "--gpus"),
+        (["--mtbf-hours", "0"], "--mtbf-hours"),
+        (["--interval-min", "-1"], "--interval-min"),
+        (["--interval-min", "sometimes"], "--interval-min"),
+        (["--days", "nan"], "--days"),
+        (["--stall-s", "-1"], "--stall-s"),
+        (["--restart-min", "-3"], "--restart-min"),
+        (["--mfu", "0"], "--mfu"),
+        (["--mfu", "45"], "--mfu"),
+        (["--monte-carlo", "1"], "--monte-carlo"),
+        (["--from-run", "/nonexistent/run"], "--from-run"),
+        (["--bogus"], "--bogus"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2(argv: list[str], option: str, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = run_cli(capsys, *argv)
     assert rc == 2 and out == ""
@@ -209,7 +235,12 @@ def test_bad_input_is_one_line_exit_2(argv: list[str], option: str, capsys: pyte
 
 
 def test_real_cli_entry_point_errors_cleanly() -> None:
-    proc = subprocess.run([sys.executable, "-m", "trainer", "survival", "--gpus", "-5"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", "survival", "--gpus", "-5"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "--gpus" in proc.stderr

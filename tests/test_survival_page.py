@@ -26,9 +26,20 @@ from trainer.survival import model as survival
 from trainer.survival.model import Inputs, exact, expectation, recommend_interval_min
 
 CHROMIUM = "/usr/bin/chromium"
-READOUTS = ["expected_failures", "lost_per_crash_gpu_hours", "recompute_gpu_hours", "checkpoint_overhead_gpu_hours",
-            "restart_gpu_hours", "wasted_gpu_hours", "wasted_fraction", "effective_mfu", "optimum_interval",
-            "young_interval", "expected_completion_days", "verdict"]
+READOUTS = [
+    "expected_failures",
+    "lost_per_crash_gpu_hours",
+    "recompute_gpu_hours",
+    "checkpoint_overhead_gpu_hours",
+    "restart_gpu_hours",
+    "wasted_gpu_hours",
+    "wasted_fraction",
+    "effective_mfu",
+    "optimum_interval",
+    "young_interval",
+    "expected_completion_days",
+    "verdict",
+]
 
 
 class Chromium:
@@ -44,11 +55,27 @@ class Chromium:
             os.dup2(a, 3)
             os.dup2(b, 4)
 
-        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 f"--user-data-dir={self.profile}", "--remote-debugging-pipe", "about:blank"]
-        self.proc = subprocess.Popen([CHROMIUM, *flags], preexec_fn=wire, close_fds=False,
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        flags = [
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={self.profile}",
+            "--remote-debugging-pipe",
+            "about:blank",
+        ]
+        self.proc = subprocess.Popen(
+            [CHROMIUM, *flags],
+            preexec_fn=wire,
+            close_fds=False,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         os.close(to_r)
         os.close(from_w)
         self.buf, self.next_id, self.session = b"", 0, None
@@ -95,8 +122,10 @@ class Chromium:
 
     def slide(self, field: str, value: float) -> None:
         """Move a slider the way a user does: set its value, then fire the input event the page listens to."""
-        self.js(f"(() => {{ const el = $({json.dumps(field)}); el.value = {value}; "
-                "el.dispatchEvent(new Event('input', {bubbles: true})); })()")
+        self.js(
+            f"(() => {{ const el = $({json.dumps(field)}); el.value = {value}; "
+            "el.dispatchEvent(new Event('input', {bubbles: true})); })()"
+        )
 
     def close(self) -> None:
         try:
@@ -123,10 +152,24 @@ def browser() -> Iterator[Chromium]:
 
 def page_for(inp: Inputs, tmp_path: Path, name: str) -> str:
     path = tmp_path / name
-    argv = ["--gpus", str(inp.gpus), "--mtbf-hours", str(inp.mtbf_hours), "--days", str(inp.days),
-            "--interval-min", "never" if inp.interval_min is None else str(inp.interval_min),
-            "--stall-s", str(inp.stall_s), "--restart-min", str(inp.restart_min), "--mfu", str(inp.mfu),
-            "--html", str(path)]
+    argv = [
+        "--gpus",
+        str(inp.gpus),
+        "--mtbf-hours",
+        str(inp.mtbf_hours),
+        "--days",
+        str(inp.days),
+        "--interval-min",
+        "never" if inp.interval_min is None else str(inp.interval_min),
+        "--stall-s",
+        str(inp.stall_s),
+        "--restart-min",
+        str(inp.restart_min),
+        "--mfu",
+        str(inp.mfu),
+        "--html",
+        str(path),
+    ]
     assert cli.main(argv) == 0
     text = path.read_text()
     assert "http://" not in text and "https://" not in text and "<script src" not in text  # self-contained
@@ -136,8 +179,9 @@ def page_for(inp: Inputs, tmp_path: Path, name: str) -> str:
 def python_readouts(inp: Inputs) -> dict[str, str]:
     """What the page must display, formatted to its precision."""
     m, ex = expectation(inp), exact(inp)
-    opt = recommend_interval_min(stall_s=inp.stall_s, restart_s=inp.restart_min * 60, gpus=inp.gpus,
-                                 mtbf_hours=inp.mtbf_hours)
+    opt = recommend_interval_min(
+        stall_s=inp.stall_s, restart_s=inp.restart_min * 60, gpus=inp.gpus, mtbf_hours=inp.mtbf_hours
+    )
     days = ex["expected_completion_log10_days"]
     out = {k: f"{m[k]:,.1f}" for k in READOUTS if k.endswith("_gpu_hours")}
     return out | {

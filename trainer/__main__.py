@@ -27,10 +27,14 @@ SUBCOMMANDS = {  # name: (module, one line for --help)
     "export": ("trainer.core.export", "a checkpoint as a Hugging Face GPT-2 model dir (config.json, safetensors)"),
     "sample": ("trainer.core.sample", "generate text from a run's checkpoint (greedy at --temperature 0)"),
 }
-COMMANDS_HELP = "commands:\n" + "\n".join(
-    [f"  {'--config FILE':<16}train (supervised; --worker: one unsupervised worker); re-run to resume"]
-    + [f"  {name:<16}{line}" for name, (_, line) in SUBCOMMANDS.items()]
-) + "\n\n`python -m trainer COMMAND --help` for a command's options; README.md for the rest."
+COMMANDS_HELP = (
+    "commands:\n"
+    + "\n".join(
+        [f"  {'--config FILE':<16}train (supervised; --worker: one unsupervised worker); re-run to resume"]
+        + [f"  {name:<16}{line}" for name, (_, line) in SUBCOMMANDS.items()]
+    )
+    + "\n\n`python -m trainer COMMAND --help` for a command's options; README.md for the rest."
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,14 +48,24 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m trainer", description="Fault-tolerant GPT training on a device mesh.",
-                usage="python -m trainer --config FILE [--set KEY=VALUE ...] [--worker]\n"
-                      "       python -m trainer {status,report,audit,survival} ...",
-                epilog=COMMANDS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", metavar="FILE",
-                   help="YAML file of differences from the defaults (e.g. configs/tiny.yaml)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one config key, e.g. --set train.steps=500 (repeatable)")
+    p = _Parser(
+        prog="python -m trainer",
+        description="Fault-tolerant GPT training on a device mesh.",
+        usage="python -m trainer --config FILE [--set KEY=VALUE ...] [--worker]\n"
+        "       python -m trainer {status,report,audit,survival} ...",
+        epilog=COMMANDS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--config", metavar="FILE", help="YAML file of differences from the defaults (e.g. configs/tiny.yaml)"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config key, e.g. --set train.steps=500 (repeatable)",
+    )
     p.add_argument("--worker", action="store_true", help="run the training worker in this process, unsupervised")
     return p
 
@@ -102,8 +116,11 @@ def run_worker(cfg: Config) -> int:
 def _unknown_command(word: str) -> int:
     near = difflib.get_close_matches(word, list(SUBCOMMANDS), n=1)
     hint = f"did you mean '{near[0]}'? " if near else ""
-    print(f"error: unknown command '{word}'; {hint}commands: {', '.join(SUBCOMMANDS)}, or --config FILE to train "
-          f"(see python -m trainer --help)", file=sys.stderr)
+    print(
+        f"error: unknown command '{word}'; {hint}commands: {', '.join(SUBCOMMANDS)}, or --config FILE to train "
+        f"(see python -m trainer --help)",
+        file=sys.stderr,
+    )
     return 2
 
 

@@ -232,18 +232,59 @@ def _positive(cfg: Config, *keys: str, allow_zero: bool = False) -> None:
 
 
 def validate(cfg: Config) -> None:
-    _positive(cfg, "model.vocab_size", "model.seq_len", "model.d_model", "model.n_layers", "checkpoint.mtbf_hours",
-              "model.n_heads", "data.batch_size", "train.steps", "train.microbatches", "optim.lr",
-              "optim.clip_norm", "log.every_steps", "data.read_threads", "data.default_corpus_mb",
-              "data.prepare_workers", "eval.batches")
-    _positive(cfg, "model.d_ff", "optim.warmup_steps", "train.stop_at_step", "checkpoint.every_steps",
-              "checkpoint.keep_every", "checkpoint.auto_devices", "mesh.cpu_devices",
-              "checkpoint.local_every_steps", "checkpoint.local_every_minutes", "integrity.replica_check_steps",
-              "log.peak_flops", "data.prefetch", "supervisor.max_restarts", "eval.every_steps", allow_zero=True)
-    _positive(cfg, "checkpoint.keep_latest", "mesh.fsdp", "mesh.tensor",
-              "supervisor.crash_loop_restarts", "supervisor.step_timeout_s", "supervisor.poll_s",
-              "log.health_every_s", "alerts.grad_window", "alerts.grad_rise", "alerts.throughput_window",
-              "alerts.throughput_steps", "alerts.ecc_rise", "alerts.overdue_fraction")
+    _positive(
+        cfg,
+        "model.vocab_size",
+        "model.seq_len",
+        "model.d_model",
+        "model.n_layers",
+        "checkpoint.mtbf_hours",
+        "model.n_heads",
+        "data.batch_size",
+        "train.steps",
+        "train.microbatches",
+        "optim.lr",
+        "optim.clip_norm",
+        "log.every_steps",
+        "data.read_threads",
+        "data.default_corpus_mb",
+        "data.prepare_workers",
+        "eval.batches",
+    )
+    _positive(
+        cfg,
+        "model.d_ff",
+        "optim.warmup_steps",
+        "train.stop_at_step",
+        "checkpoint.every_steps",
+        "checkpoint.keep_every",
+        "checkpoint.auto_devices",
+        "mesh.cpu_devices",
+        "checkpoint.local_every_steps",
+        "checkpoint.local_every_minutes",
+        "integrity.replica_check_steps",
+        "log.peak_flops",
+        "data.prefetch",
+        "supervisor.max_restarts",
+        "eval.every_steps",
+        allow_zero=True,
+    )
+    _positive(
+        cfg,
+        "checkpoint.keep_latest",
+        "mesh.fsdp",
+        "mesh.tensor",
+        "supervisor.crash_loop_restarts",
+        "supervisor.step_timeout_s",
+        "supervisor.poll_s",
+        "log.health_every_s",
+        "alerts.grad_window",
+        "alerts.grad_rise",
+        "alerts.throughput_window",
+        "alerts.throughput_steps",
+        "alerts.ecc_rise",
+        "alerts.overdue_fraction",
+    )
     if not 0.0 < cfg.alerts.throughput_drop < 1.0:
         raise ConfigError(f"alerts.throughput_drop must be in (0, 1), got {cfg.alerts.throughput_drop}")
     if not 0.0 < cfg.alerts.overdue_fraction < 1.0:
@@ -255,7 +296,8 @@ def validate(cfg: Config) -> None:
     _validate_interval(cfg)
     if cfg.model.d_model % cfg.model.n_heads:
         raise ConfigError(
-            f"model.d_model ({cfg.model.d_model}) must be divisible by model.n_heads ({cfg.model.n_heads})")
+            f"model.d_model ({cfg.model.d_model}) must be divisible by model.n_heads ({cfg.model.n_heads})"
+        )
     if cfg.model.compute_dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.compute_dtype must be float32 or bfloat16, got {cfg.model.compute_dtype!r}")
     if cfg.model.attention not in ("auto", "xla", "xla_remat", "cudnn"):
@@ -277,8 +319,10 @@ def validate(cfg: Config) -> None:
         if f.step < 0:
             raise ConfigError(f"faults[{i}].step must be >= 0, got {f.step}")
         if f.phase not in FAULT_PHASES or (f.phase != "step" and f.kind not in ("hang", "slow")):
-            raise ConfigError(f"faults[{i}].phase must be one of {', '.join(FAULT_PHASES)} (hang and slow only), "
-                              f"got {f.phase!r} for {f.kind}")
+            raise ConfigError(
+                f"faults[{i}].phase must be one of {', '.join(FAULT_PHASES)} (hang and slow only), "
+                f"got {f.phase!r} for {f.kind}"
+            )
     _validate_launch(cfg.launch)
     _validate_runbook(cfg.runbook)
 
@@ -305,17 +349,23 @@ def _validate_launch(lc: LaunchConfig) -> None:
     if lc.mode not in ("local", "slurm"):
         raise ConfigError(f"launch.mode must be local or slurm, got {lc.mode!r}")
     if lc.processes < 1 or lc.processes_per_node < 1 or lc.init_timeout_s < 1:
-        raise ConfigError(f"launch.processes ({lc.processes}), launch.processes_per_node ({lc.processes_per_node})"
-                          f" and launch.init_timeout_s ({lc.init_timeout_s}) must be >= 1")
+        raise ConfigError(
+            f"launch.processes ({lc.processes}), launch.processes_per_node ({lc.processes_per_node})"
+            f" and launch.init_timeout_s ({lc.init_timeout_s}) must be >= 1"
+        )
     if lc.processes % lc.processes_per_node:
-        raise ConfigError(f"launch.processes ({lc.processes}) must be a multiple of launch.processes_per_node"
-                          f" ({lc.processes_per_node})")
+        raise ConfigError(
+            f"launch.processes ({lc.processes}) must be a multiple of launch.processes_per_node"
+            f" ({lc.processes_per_node})"
+        )
     if not 0 <= lc.min_processes <= lc.processes:
-        raise ConfigError(f"launch.min_processes must be in [0, launch.processes={lc.processes}], "
-                          f"got {lc.min_processes}")
+        raise ConfigError(
+            f"launch.min_processes must be in [0, launch.processes={lc.processes}], got {lc.min_processes}"
+        )
     if not (lc.coordinator_port == 0 or 1024 <= lc.coordinator_port <= 64000):
-        raise ConfigError(f"launch.coordinator_port must be 0 (pick one) or in [1024, 64000], "
-                          f"got {lc.coordinator_port}")
+        raise ConfigError(
+            f"launch.coordinator_port must be 0 (pick one) or in [1024, 64000], got {lc.coordinator_port}"
+        )
 
 
 def _validate_interval(cfg: Config) -> None:

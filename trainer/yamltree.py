@@ -94,23 +94,31 @@ def _yaml_cause(e: yaml.YAMLError) -> str:
     """PyYAML's own words for what is wrong and where (1-based), with the fix for the usual culprits."""
     mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None) or str(e).splitlines()[0]
     where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    hint = "; indent with spaces: YAML does not allow tabs" if "'\\t'" in problem else (
-        "; is it a YAML text file?" if isinstance(e, yaml.reader.ReaderError) else "")  # e.g. a NUL byte
+    hint = (
+        "; indent with spaces: YAML does not allow tabs"
+        if "'\\t'" in problem
+        else ("; is it a YAML text file?" if isinstance(e, yaml.reader.ReaderError) else "")
+    )  # e.g. a NUL byte
     return f"{where}{problem}{hint}"
 
 
 def read_yaml(path: str) -> dict:
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"--config {path} is a directory; pass a YAML file, e.g. configs/tiny.yaml" if p.is_dir()
-                          else f"config file not found: {path} (pass an existing YAML, e.g. configs/tiny.yaml)")
+        raise ConfigError(
+            f"--config {path} is a directory; pass a YAML file, e.g. configs/tiny.yaml"
+            if p.is_dir()
+            else f"config file not found: {path} (pass an existing YAML, e.g. configs/tiny.yaml)"
+        )
     try:
         tree = yaml.safe_load(p.read_bytes().decode("utf-8"))
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{path} is not a UTF-8 text file (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
-                          f"pass a YAML config such as configs/tiny.yaml, saved as UTF-8") from None
+        raise ConfigError(
+            f"{path} is not a UTF-8 text file (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+            f"pass a YAML config such as configs/tiny.yaml, saved as UTF-8"
+        ) from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({_yaml_cause(e)})") from None
     if not isinstance(tree, dict | None):

@@ -20,8 +20,9 @@ class Agreement:
     save): they are published once per rising edge, so a request served LAG steps later is served once.
     The others are levels (stop, spike, hold): acting on them again changes nothing."""
 
-    def __init__(self, *, processes: int, start: int, n_flags: int, one_shot: tuple[int, ...] = (),
-                 timeout_s: float = 3600.0):
+    def __init__(
+        self, *, processes: int, start: int, n_flags: int, one_shot: tuple[int, ...] = (), timeout_s: float = 3600.0
+    ):
         self.processes, self.start, self.n = processes, start, n_flags
         self.lag = LAG if processes > 1 else 0
         self.one_shot = one_shot

@@ -86,15 +86,22 @@ class SavePolicy:
             return None
         from trainer.survival.model import recommend_interval_min
 
-        self.minutes = recommend_interval_min(stall_s=max(blocking_s, 1e-3), restart_s=self._restart_s,
-                                              gpus=self._devices, mtbf_hours=self._cfg.mtbf_hours)
+        self.minutes = recommend_interval_min(
+            stall_s=max(blocking_s, 1e-3),
+            restart_s=self._restart_s,
+            gpus=self._devices,
+            mtbf_hours=self._cfg.mtbf_hours,
+        )
         return self.minutes
 
 
 def _local_multiprocessing() -> ocp.options.MultiprocessingOptions:
     """A local checkpoint involves this process alone: no primary host, no barriers with the others."""
-    return ocp.options.MultiprocessingOptions(primary_host=None, active_processes={jax.process_index()},
-                                              barrier_sync_key_prefix=f"local-{jax.process_index()}")
+    return ocp.options.MultiprocessingOptions(
+        primary_host=None,
+        active_processes={jax.process_index()},
+        barrier_sync_key_prefix=f"local-{jax.process_index()}",
+    )
 
 
 def _local_handlers(mp: ocp.options.MultiprocessingOptions) -> dict:
@@ -103,11 +110,15 @@ def _local_handlers(mp: ocp.options.MultiprocessingOptions) -> dict:
     from orbax.checkpoint._src.serialization import type_handler_registry, type_handlers
 
     registry = type_handler_registry.create_type_handler_registry(
-        (jax.Array, type_handlers.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False)))
-    return {"state": ocp.PyTreeCheckpointHandler(use_compression=False, multiprocessing_options=mp,
-                                                 type_handler_registry=registry),
-            "data": ocp.JsonCheckpointHandler(multiprocessing_options=mp),
-            "meta": ocp.JsonCheckpointHandler(multiprocessing_options=mp)}
+        (jax.Array, type_handlers.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False))
+    )
+    return {
+        "state": ocp.PyTreeCheckpointHandler(
+            use_compression=False, multiprocessing_options=mp, type_handler_registry=registry
+        ),
+        "data": ocp.JsonCheckpointHandler(multiprocessing_options=mp),
+        "meta": ocp.JsonCheckpointHandler(multiprocessing_options=mp),
+    }
 
 
 def _single_process_writes() -> None:
@@ -120,8 +131,11 @@ def _single_process_writes() -> None:
     replicated arrays; on GPU the first replica writes them)."""
     from orbax.checkpoint._src.metadata import array_metadata_store
 
-    ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
-        use_replica_parallel=False, array_metadata_store=array_metadata_store.Store()), override=True)
+    ocp.type_handlers.register_type_handler(
+        jax.Array,
+        ocp.type_handlers.ArrayHandler(use_replica_parallel=False, array_metadata_store=array_metadata_store.Store()),
+        override=True,
+    )
 
 
 def _slow_commits(delay_s: Callable[[int], float]) -> type:
@@ -141,9 +155,16 @@ class Checkpointer:
     """One tier's Orbax manager. `tier="durable"`: shared storage, one checkpoint written by all processes
     together. `tier="local"`: this process's own directory on node-local storage."""
 
-    def __init__(self, directory: Path, cfg: CheckpointConfig, *, tier: str = "durable",
-                 pinned: Callable[[list[int]], set[int]] | None = None, read_only: bool = False,
-                 commit_delay: Callable[[int], float] | None = None):
+    def __init__(
+        self,
+        directory: Path,
+        cfg: CheckpointConfig,
+        *,
+        tier: str = "durable",
+        pinned: Callable[[list[int]], set[int]] | None = None,
+        read_only: bool = False,
+        commit_delay: Callable[[int], float] | None = None,
+    ):
         self.cfg, self.tier = cfg, tier
         self.directory = Path(directory).absolute()
         local = tier == "local"
@@ -156,8 +177,11 @@ class Checkpointer:
         if local:
             if not read_only:
                 self.directory.mkdir(parents=True, exist_ok=True)  # Orbax creates no per-process root itself
-            extra = dict(multiprocessing_options=_local_multiprocessing(), enable_per_process_directory_creation=True,
-                         save_root_metadata=False)
+            extra = dict(
+                multiprocessing_options=_local_multiprocessing(),
+                enable_per_process_directory_creation=True,
+                save_root_metadata=False,
+            )
         keep, keep_every = cfg.keep_latest, 0 if local else cfg.keep_every
         self._policy = None if read_only else _preservation(keep, keep_every, self._pins)
         options = ocp.CheckpointManagerOptions(
@@ -204,13 +228,17 @@ class Checkpointer:
         else:
             state_arg = ocp.args.StandardSave(state)
         try:
-            self.manager.save(step, force=True, args=ocp.args.Composite(
-                state=state_arg,
-                # The data cursor is identical on every process (it is the step), so one JSON written by
-                # the primary suffices and stays valid when the process count changes (elastic resume).
-                data=ocp.args.JsonSave(data_state),
-                meta=ocp.args.JsonSave(meta),
-            ))
+            self.manager.save(
+                step,
+                force=True,
+                args=ocp.args.Composite(
+                    state=state_arg,
+                    # The data cursor is identical on every process (it is the step), so one JSON written by
+                    # the primary suffices and stays valid when the process count changes (elastic resume).
+                    data=ocp.args.JsonSave(data_state),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+            )
         except Exception as e:
             self.failure = self._describe(step, e)
             raise SaveFailed(self.failure) from e
@@ -224,8 +252,9 @@ class Checkpointer:
         try:
             self.manager.wait_until_finished()
             if self.cfg.verify:
-                manifest.write(self.step_dir(step), process=self.writer, processes=self.writers,
-                               durable=self.tier == "durable")
+                manifest.write(
+                    self.step_dir(step), process=self.writer, processes=self.writers, durable=self.tier == "durable"
+                )
         except BaseException as e:  # reported through `failure`, acted on by the loop
             self.failure = self._describe(step, e)
 
@@ -240,21 +269,26 @@ class Checkpointer:
             chain.append(x)
             x = x.__cause__ or x.__context__
         full = any(isinstance(x, OSError) and x.errno in _NO_SPACE for x in chain) or any(
-            "No space left" in str(x) or "Disk quota" in str(x) for x in chain)
+            "No space left" in str(x) or "Disk quota" in str(x) for x in chain
+        )
         what = "the disk is full" if full else "a write failed"
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        return (f"the {self.tier} checkpoint of step {step} could not be written to {self.directory}: {what} "
-                f"({type(e).__name__}: {first}). Earlier checkpoints are untouched; free space or fix the storage, "
-                f"then rerun the same command to resume.")
+        return (
+            f"the {self.tier} checkpoint of step {step} could not be written to {self.directory}: {what} "
+            f"({type(e).__name__}: {first}). Earlier checkpoints are untouched; free space or fix the storage, "
+            f"then rerun the same command to resume."
+        )
 
     def restore(self, step: int, abstract_state: Any) -> Restored:
         if self.tier == "local":
             state_arg = ocp.args.PyTreeRestore(
-                abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))
+                abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state)
+            )
         else:
             state_arg = ocp.args.StandardRestore(abstract_state)
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=state_arg, data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+        out = self.manager.restore(
+            step, args=ocp.args.Composite(state=state_arg, data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
+        )
         return Restored(step, out["state"], out["data"], out["meta"], self.tier)
 
     def read_meta(self, step: int) -> dict:

@@ -95,8 +95,17 @@ class StepPlan(grain.sources.RandomAccessDataSource):
         return batch_index(k, self._skips) * self._global_batch + self._rows
 
 
-def make_iterator(cfg: DataConfig, *, corpus: Prepared, seq_len: int, steps: int, seed: int,
-                  process: int, processes: int, skips: list[int]):
+def make_iterator(
+    cfg: DataConfig,
+    *,
+    corpus: Prepared,
+    seq_len: int,
+    steps: int,
+    seed: int,
+    process: int,
+    processes: int,
+    skips: list[int],
+):
     """A checkpointable grain iterator over this process's slice of each step's global batch."""
     if cfg.batch_size % processes:
         raise ConfigError(f"data.batch_size ({cfg.batch_size}) must divide evenly over {processes} processes")
@@ -108,8 +117,9 @@ def make_iterator(cfg: DataConfig, *, corpus: Prepared, seq_len: int, steps: int
     if cfg.shuffle:
         order = order.shuffle(seed=seed % 2**32)
     n = len(windows)
-    plan = grain.MapDataset.source(StepPlan(steps=steps, global_batch=cfg.batch_size, process=process,
-                                            processes=processes, skips=skips))
+    plan = grain.MapDataset.source(
+        StepPlan(steps=steps, global_batch=cfg.batch_size, process=process, processes=processes, skips=skips)
+    )
 
     def read(ids: np.ndarray) -> dict:
         win = np.array([order[int(g)] if cfg.shuffle else int(g) % n for g in ids], dtype=np.int64)
@@ -120,8 +130,9 @@ def make_iterator(cfg: DataConfig, *, corpus: Prepared, seq_len: int, steps: int
     return iter(batches.to_iter_dataset(opts))
 
 
-def eval_windows(corpus: Prepared, *, seq_len: int, global_batch: int, batches: int, process: int,
-                 processes: int) -> np.ndarray:
+def eval_windows(
+    corpus: Prepared, *, seq_len: int, global_batch: int, batches: int, process: int, processes: int
+) -> np.ndarray:
     """This process's rows of the fixed eval batches, [batches, B/P, seq_len + 1]: `batches` x `global_batch`
     validation windows spread evenly over the validation split, sharded over processes like training rows."""
     windows = TokenWindows.of(corpus, seq_len, "val")
@@ -131,8 +142,9 @@ def eval_windows(corpus: Prepared, *, seq_len: int, global_batch: int, batches: 
             f"eval needs {need} validation windows of {seq_len + 1} tokens (eval.batches={batches} x "
             f"data.batch_size={global_batch}) but {corpus.source} holds out only {len(windows)} "
             f"({corpus.n_val_tokens} tokens); lower eval.batches or hold out more (data.val_fraction, "
-            f"prepare --val-fraction)")
+            f"prepare --val-fraction)"
+        )
     picks = (np.arange(need, dtype=np.int64) * len(windows)) // need
     per = global_batch // processes
-    rows = picks.reshape(batches, global_batch)[:, process * per:(process + 1) * per]
+    rows = picks.reshape(batches, global_batch)[:, process * per : (process + 1) * per]
     return np.stack([np.stack([windows[int(i)] for i in row]) for row in rows])

@@ -19,8 +19,12 @@ def initialize(cfg: LaunchConfig, *, cpu: bool) -> Membership:
 
     if cpu:  # fake CPU devices in several processes talk through gloo over TCP
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=me.coordinator, num_processes=me.processes,
-                               process_id=me.process_id, initialization_timeout=cfg.init_timeout_s)
+    jax.distributed.initialize(
+        coordinator_address=me.coordinator,
+        num_processes=me.processes,
+        process_id=me.process_id,
+        initialization_timeout=cfg.init_timeout_s,
+    )
     return me
 
 
@@ -38,6 +42,6 @@ def allgather_json(obj, *, limit: int = 1 << 16) -> list:
     assert len(raw) <= limit, f"allgather_json: {len(raw)} bytes > {limit}"
     buf = np.zeros(limit + 4, np.uint8)
     buf[:4] = np.frombuffer(len(raw).to_bytes(4, "little"), np.uint8)
-    buf[4:4 + len(raw)] = np.frombuffer(raw, np.uint8)
+    buf[4 : 4 + len(raw)] = np.frombuffer(raw, np.uint8)
     rows = np.asarray(multihost_utils.process_allgather(buf)).reshape(jax.process_count(), limit + 4)
-    return [json.loads(bytes(r[4:4 + int.from_bytes(bytes(r[:4]), "little")])) for r in rows]
+    return [json.loads(bytes(r[4 : 4 + int.from_bytes(bytes(r[:4]), "little")])) for r in rows]

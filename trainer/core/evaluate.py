@@ -44,8 +44,12 @@ class Evaluator:
         losses = [self._step(params, jax.make_array_from_process_local_data(self._bsh, w)) for w in self._windows]
         # Every batch has the same number of tokens: the mean of the batch means is the mean over all of them.
         loss = float(np.mean([float(x) for x in jax.device_get(losses)]))
-        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "batches": len(losses),
-                "seconds": time.perf_counter() - t0}
+        return {
+            "loss": loss,
+            "perplexity": math.exp(min(loss, 700.0)),
+            "batches": len(losses),
+            "seconds": time.perf_counter() - t0,
+        }
 
 
 def build(w) -> Evaluator | None:

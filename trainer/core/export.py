@@ -42,21 +42,31 @@ def gpt2_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Our param tree (trainer.core.model's docstring) under GPT-2's names and layouts, fp32."""
     p = jax.device_get(params)
     D, F = cfg.d_model, cfg.d_ff or 4 * cfg.d_model
-    out = {"transformer.wte.weight": p["wte"], "transformer.wpe.weight": p["wpe"],
-           "transformer.ln_f.weight": p["ln_f"]["scale"], "transformer.ln_f.bias": _bias(p["ln_f"], D)}
+    out = {
+        "transformer.wte.weight": p["wte"],
+        "transformer.wpe.weight": p["wpe"],
+        "transformer.ln_f.weight": p["ln_f"]["scale"],
+        "transformer.ln_f.bias": _bias(p["ln_f"], D),
+    }
     for i in range(cfg.n_layers):
         b, h = _layer(p, cfg, i), f"transformer.h.{i}."
-        out.update({
-            h + "ln_1.weight": b["ln_1"]["scale"], h + "ln_1.bias": _bias(b["ln_1"], D),
-            # [D, T, H, K] row-major is [D, (q | k | v), each split into heads]: c_attn's [D, 3D] columns.
-            h + "attn.c_attn.weight": b["qkv"]["kernel"].reshape(D, 3 * D),
-            h + "attn.c_attn.bias": _bias(b["qkv"], 3 * D),
-            h + "attn.c_proj.weight": b["proj"]["kernel"].reshape(D, D),  # [H, K, D] -> [H*K, D]
-            h + "attn.c_proj.bias": _bias(b["proj"], D),
-            h + "ln_2.weight": b["ln_2"]["scale"], h + "ln_2.bias": _bias(b["ln_2"], D),
-            h + "mlp.c_fc.weight": b["fc"]["kernel"], h + "mlp.c_fc.bias": _bias(b["fc"], F),
-            h + "mlp.c_proj.weight": b["out"]["kernel"], h + "mlp.c_proj.bias": _bias(b["out"], D),
-        })
+        out.update(
+            {
+                h + "ln_1.weight": b["ln_1"]["scale"],
+                h + "ln_1.bias": _bias(b["ln_1"], D),
+                # [D, T, H, K] row-major is [D, (q | k | v), each split into heads]: c_attn's [D, 3D] columns.
+                h + "attn.c_attn.weight": b["qkv"]["kernel"].reshape(D, 3 * D),
+                h + "attn.c_attn.bias": _bias(b["qkv"], 3 * D),
+                h + "attn.c_proj.weight": b["proj"]["kernel"].reshape(D, D),  # [H, K, D] -> [H*K, D]
+                h + "attn.c_proj.bias": _bias(b["proj"], D),
+                h + "ln_2.weight": b["ln_2"]["scale"],
+                h + "ln_2.bias": _bias(b["ln_2"], D),
+                h + "mlp.c_fc.weight": b["fc"]["kernel"],
+                h + "mlp.c_fc.bias": _bias(b["fc"], F),
+                h + "mlp.c_proj.weight": b["out"]["kernel"],
+                h + "mlp.c_proj.bias": _bias(b["out"], D),
+            }
+        )
     if not cfg.tie_embeddings:  # tied: GPT2LMHeadModel takes its head from wte (no lm_head tensor is saved)
         out["lm_head.weight"] = p["lm_head"].T
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
@@ -66,13 +76,29 @@ def gpt2_config(cfg: ModelConfig, eos_id: int) -> dict:
     """GPT2Config's fields for our model: the vocabulary as the model has it (padding included), the
     LayerNorm epsilon our blocks use, dropout where GPT-2 puts it (we have none on attention weights)."""
     return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
-        "n_positions": cfg.seq_len, "n_ctx": cfg.seq_len, "n_embd": cfg.d_model, "n_layer": cfg.n_layers,
-        "n_head": cfg.n_heads, "n_inner": cfg.d_ff or 4 * cfg.d_model, "activation_function": "gelu_new",
-        "layer_norm_epsilon": LN_EPS, "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": 0.0,
-        "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False, "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True,
-        "bos_token_id": eos_id, "eos_token_id": eos_id, "torch_dtype": "float32",
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.seq_len,
+        "n_ctx": cfg.seq_len,
+        "n_embd": cfg.d_model,
+        "n_layer": cfg.n_layers,
+        "n_head": cfg.n_heads,
+        "n_inner": cfg.d_ff or 4 * cfg.d_model,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": LN_EPS,
+        "resid_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout,
+        "attn_pdrop": 0.0,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "use_cache": True,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
     }
 
 
@@ -84,8 +110,15 @@ def _tokenizer_files(tmp: Path, tok: weights.RunTokenizer, cfg: ModelConfig) -> 
     from tokenizers import Tokenizer
 
     eos = Tokenizer.from_file(str(tmp / TOKENIZER)).id_to_token(tok.eos_id)
-    write_json(tmp / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
-                                                "bos_token": eos, "model_max_length": cfg.seq_len})
+    write_json(
+        tmp / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": eos,
+            "bos_token": eos,
+            "model_max_length": cfg.seq_len,
+        },
+    )
     return [TOKENIZER, "tokenizer_config.json"]
 
 
@@ -108,10 +141,17 @@ def write(out: Path, loaded: weights.Loaded, tok: weights.RunTokenizer) -> list[
         write_json(tmp / CONFIG, gpt2_config(cfg, tok.eos_id), indent=2)
         # The provenance rides in the safetensors header (string values); params_sha256 is the one the
         # run's summary.json reports for the same params, however they were sharded.
-        save_file(gpt2_tensors(loaded.params, cfg), str(tmp / MODEL), metadata={
-            "format": "pt", "trainer_checkpoint": str(loaded.picked.dir.absolute()),
-            "trainer_step": str(loaded.picked.step), "trainer_params_sha256": params_sha256(loaded.params),
-            "trainer_tokenizer": tok.name})
+        save_file(
+            gpt2_tensors(loaded.params, cfg),
+            str(tmp / MODEL),
+            metadata={
+                "format": "pt",
+                "trainer_checkpoint": str(loaded.picked.dir.absolute()),
+                "trainer_step": str(loaded.picked.step),
+                "trainer_params_sha256": params_sha256(loaded.params),
+                "trainer_tokenizer": tok.name,
+            },
+        )
         files = [CONFIG, MODEL, *_tokenizer_files(tmp, tok, cfg)]
         umask = os.umask(0)
         os.umask(umask)
@@ -136,8 +176,13 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer export", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run dir (or one checkpoint: RUN_DIR/checkpoints/STEP)")
     p.add_argument("--out", required=True, metavar="DIR", help="the model directory to create (new or empty)")
-    p.add_argument("--step", type=int, metavar="N", help="export this checkpoint (default: the newest that "
-                   "verifies); needed while the run still trains, and it must be sealed")
+    p.add_argument(
+        "--step",
+        type=int,
+        metavar="N",
+        help="export this checkpoint (default: the newest that "
+        "verifies); needed while the run still trains, and it must be sealed",
+    )
     args = p.parse_args(argv)
     jax.config.update("jax_platforms", "cpu")  # never the training devices: a laptop exports too
     try:
@@ -154,6 +199,8 @@ def main(argv: list[str]) -> int:
         print(f"note: {note}", file=sys.stderr)
     check = "verified" if picked.verified else "UNVERIFIED (saved without content manifests)"
     n = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(loaded.params))
-    print(f"exported step {picked.step} of {picked.dir} ({check}, {n / 1e6:.3g}M params) to {out}: {', '.join(files)}"
-          + ("" if tok.file else _no_file(tok)))
+    print(
+        f"exported step {picked.step} of {picked.dir} ({check}, {n / 1e6:.3g}M params) to {out}: {', '.join(files)}"
+        + ("" if tok.file else _no_file(tok))
+    )
     return 0

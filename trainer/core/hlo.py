@@ -15,8 +15,23 @@ import re
 from dataclasses import dataclass, field
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-          "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 _SHAPE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
@@ -24,8 +39,10 @@ _CALLS = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_co
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _PARAM = re.compile(r"([\w.\-]+):\s*(\([^)]*\)|[\w\[\]{},:]+)")
-_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))?"
-                          r"(?: \{([^}]*)\})?")
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))?"
+    r"(?: \{([^}]*)\})?"
+)
 _IOTA_GROUPS = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
 _LIST_GROUPS = re.compile(r"(?:replica_groups|source_target_pairs)=\{(\{[0-9,]*\}(?:,\{[0-9,]*\})*)\}")
 
@@ -68,7 +85,7 @@ def _split_args(rest: str) -> tuple[str, str]:
     for i, ch in enumerate(rest):
         depth += {"(": 1, ")": -1}.get(ch, 0)
         if depth == 0:
-            return rest[:i], rest[i + 1:]
+            return rest[:i], rest[i + 1 :]
     return rest, ""
 
 

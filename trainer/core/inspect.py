@@ -40,14 +40,22 @@ an upper bound for a GPU."""
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer inspect", description=__doc__.splitlines()[0],
-                                epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m trainer inspect",
+        description=__doc__.splitlines()[0],
+        epilog=HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", required=True, help="YAML file of differences from the defaults")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.add_argument("--gpu", default="H100", choices=sorted(GPUS), help="GPU to price memory and MFU for")
-    p.add_argument("--devices", type=int, default=0,
-                   help="device count (default: the mesh's; with mesh.data=-1, data = launch.processes)")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=0,
+        help="device count (default: the mesh's; with mesh.data=-1, data = launch.processes)",
+    )
     return p
 
 
@@ -108,8 +116,13 @@ def compile_for(cfg: Config, devices: list):
     shape = mesh_lib.mesh_shape(cfg.mesh, len(devices))
     validate_shapes(cfg, shape, cfg.launch.processes, cfg.train.microbatches, None)
     mesh = Mesh(np.array(devices).reshape(shape), mesh_lib.AXES)
-    spec = state_lib.build(GPT(cfg.model), optim.make_optimizer(cfg.optim, cfg.train.steps), mesh,
-                           seed=cfg.run.seed, seq_len=cfg.model.seq_len)
+    spec = state_lib.build(
+        GPT(cfg.model),
+        optim.make_optimizer(cfg.optim, cfg.train.steps),
+        mesh,
+        seed=cfg.run.seed,
+        seq_len=cfg.model.seq_len,
+    )
     return spec, mesh, lower_train_step(spec, mesh, cfg, microbatches=cfg.train.microbatches).compile()
 
 
@@ -125,8 +138,9 @@ def measure(cfg: Config, devices: list, gpu: str) -> dict:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost  # older jax returned one dict per program
     model_flops = flops_per_token(cfg.model, param_count(spec.abstract)) * cfg.data.batch_size * cfg.model.seq_len / n
-    peak_bytes = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + \
-        mem.temp_size_in_bytes
+    peak_bytes = (
+        mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+    )
     return {
         "mesh": dict(zip(mesh.axis_names, mesh.devices.shape)),
         "devices": n,
@@ -192,8 +206,11 @@ def render(r: dict) -> str:
         f"  fits {r['gpu']} ({_fmt_bytes(r['gpu_memory_bytes'])} x {MEM_FRACTION}): {'yes' if r['fits'] else 'NO'}",
         "",
         "collectives per step, per device (bytes, ops)",
-        *(f"  {k:<28} {_fmt_bytes(v)}  x{r['collective_ops_per_step'][k]}"
-          for k, v in r["collective_bytes_per_step"].items() if r["collective_ops_per_step"][k]),
+        *(
+            f"  {k:<28} {_fmt_bytes(v)}  x{r['collective_ops_per_step'][k]}"
+            for k, v in r["collective_bytes_per_step"].items()
+            if r["collective_ops_per_step"][k]
+        ),
         f"  {'total':<28} {_fmt_bytes(r['collective_bytes_total'])}"
         f" ({_fmt_bytes(r['collective_bytes_inter_host'])} across hosts of {HOST_GPUS})",
         "",
@@ -216,8 +233,7 @@ def main(argv: list[str]) -> int:
         n = device_count(cfg, args.devices)
         devices, platform = _devices(n)
         cfg, note = _stand_in(cfg, devices)
-        report = {"config": args.config, "platform": platform, "attention": note,
-                  **measure(cfg, devices, args.gpu)}
+        report = {"config": args.config, "platform": platform, "attention": note, **measure(cfg, devices, args.gpu)}
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -20,8 +20,11 @@ FLIP_BIT = 15  # a low mantissa bit of float32: the value moves by ~4e-3 relativ
 
 
 def _fingerprint(x):
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32) if x.dtype.itemsize == 4 else \
-        jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    bits = (
+        jax.lax.bitcast_convert_type(x, jnp.uint32)
+        if x.dtype.itemsize == 4
+        else jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    )
     return jnp.sum(bits, dtype=jnp.uint32)  # wraps mod 2**32: any single flipped bit changes it
 
 
@@ -40,8 +43,9 @@ class ReplicaCheck:
         def local(*xs):  # one device's own buffers -> one fingerprint per leaf
             return jnp.stack([_fingerprint(x) for x in xs]).reshape(len(xs), 1, 1, 1)
 
-        self._fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=PartitionSpec(None, *AXES),
-                                         check_vma=False))
+        self._fn = jax.jit(
+            jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=PartitionSpec(None, *AXES), check_vma=False)
+        )
         # Groups of devices holding the same index of each leaf (replicas), and each device's mesh coordinates.
         self.groups = [[g for g in _replica_groups(leaf) if len(g) > 1] for _, leaf in leaves]
         self.coords = {int(d.id): dict(zip(AXES, map(int, c))) for c, d in np.ndenumerate(mesh.devices)}
@@ -68,10 +72,20 @@ class ReplicaCheck:
                 if len(set(values)) > 1:
                     majority = max(set(values), key=values.count)
                     odd = [d for d, v in zip(devs, values) if v != majority] if values.count(majority) > 1 else devs
-                    return {"param": name, "devices": [
-                        {"device": d, "process": self.process_of[d], **self.coords[d], "fingerprint": v,
-                         "odd": d in odd} for d, v in zip(devs, values)],
-                        "replicas": sorted({self.coords[d]["data"] for d in odd})}
+                    return {
+                        "param": name,
+                        "devices": [
+                            {
+                                "device": d,
+                                "process": self.process_of[d],
+                                **self.coords[d],
+                                "fingerprint": v,
+                                "odd": d in odd,
+                            }
+                            for d, v in zip(devs, values)
+                        ],
+                        "replicas": sorted({self.coords[d]["data"] for d in odd}),
+                    }
         return None
 
 
@@ -80,8 +94,7 @@ def bitflip(state: dict) -> tuple[dict, dict | None]:
     shard); every process calls this, the one holding that copy changes it. Returns the new state and
     what was flipped (None on processes that hold nothing to flip)."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state["params"])
-    replicated = [(i, leaf) for i, (_, leaf) in enumerate(leaves)
-                  if max(len(g) for g in _replica_groups(leaf)) > 1]
+    replicated = [(i, leaf) for i, (_, leaf) in enumerate(leaves) if max(len(g) for g in _replica_groups(leaf)) > 1]
     assert replicated, "bitflip needs a replicated param: a mesh with data (or another axis) > 1"
     i, leaf = max(replicated, key=lambda il: (il[1].size, -il[0]))
     group = max(_replica_groups(leaf), key=len)

@@ -34,8 +34,7 @@ def _add_bias_fwd(y, bias):
 def _sum_leading(g, k: int):
     """Sum over g's first k axes as a matmul with ones, accumulated in fp32 (see add_bias)."""
     ones = jnp.ones(g.shape[:k], g.dtype)
-    return lax.dot_general(ones, g, ((tuple(range(k)), tuple(range(k))), ((), ())),
-                           preferred_element_type=jnp.float32)
+    return lax.dot_general(ones, g, ((tuple(range(k)), tuple(range(k))), ((), ())), preferred_element_type=jnp.float32)
 
 
 def _add_bias_bwd(res, g):
@@ -52,6 +51,7 @@ add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
 # rounds once (as PyTorch's and Transformer Engine's bf16 GELU do: closer to the exact value); the backward
 # keeps only the input. On 1 CPU device at the peer dims the step ran 3-8% faster. In fp32 it is
 # jax.nn.gelu, bit for bit.
+
 
 def _gelu_f32(x):
     return jax.nn.gelu(x.astype(jnp.float32), approximate=True)
@@ -79,6 +79,7 @@ gelu.defvjp(_gelu_fwd, _gelu_bwd)
 # flax's LayerNorm differentiated by autodiff keeps x - mean, x^2 and the scaled product, each in fp32
 # ([B, L, D] each, twice per block). This one keeps its input in the compute dtype and the two fp32 row
 # statistics, and recomputes the normalised input in the backward (one elementwise pass).
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def layer_norm(x, scale, bias, eps: float):
@@ -159,8 +160,13 @@ def _attention_fwd(q_BLHK, k_BLHK, v_BLHK):
     o_blocks, ps = [], []
     for i in range(n_b):  # block i: queries [i c, (i + 1) c) against keys [0, (i + 1) c)
         n = (i + 1) * c
-        s_BHTS = jnp.einsum("BTHK,BSHK->BHTS", q_BLHK[:, i * c:n], k_BLHK[:, :n],
-                            precision=_scores_precision(q_BLHK.dtype), preferred_element_type=jnp.float32)
+        s_BHTS = jnp.einsum(
+            "BTHK,BSHK->BHTS",
+            q_BLHK[:, i * c : n],
+            k_BLHK[:, :n],
+            precision=_scores_precision(q_BLHK.dtype),
+            preferred_element_type=jnp.float32,
+        )
         s_BHTS = jnp.where(jnp.tril(jnp.ones((c, n), bool), i * c), s_BHTS * _scale(K), _MASK_VALUE)
         p_BHTS = jax.nn.softmax(s_BHTS, axis=-1).astype(q_BLHK.dtype)
         o_blocks.append(jnp.einsum("BHTS,BSHK->BTHK", p_BHTS, v_BLHK[:, :n]))
@@ -175,7 +181,7 @@ def _attention_bwd(res, do_BLHK):
     dq_blocks, dk, dv = [], jnp.zeros(k_BLHK.shape, f32), jnp.zeros(v_BLHK.shape, f32)  # dK, dV: summed over blocks
     for i, p_BHTS in enumerate(ps):
         n = (i + 1) * c
-        do_i, q_i = do_BLHK[:, i * c:n], q_BLHK[:, i * c:n]
+        do_i, q_i = do_BLHK[:, i * c : n], q_BLHK[:, i * c : n]
         dv = dv.at[:, :n].add(jnp.einsum("BHTS,BTHK->BSHK", p_BHTS, do_i, preferred_element_type=f32))
         dp_BHTS = jnp.einsum("BTHK,BSHK->BHTS", do_i, v_BLHK[:, :n], preferred_element_type=f32)
         p = p_BHTS.astype(f32)

@@ -65,13 +65,30 @@ def run(cfg: Config) -> int:
     _enter(w, "startup", 0)
     st, start, tier = _restore_or_init(w)
     if w.primary:  # one line saying where this attempt begins, before any library output
-        print(outcome.begin_line(w.run_dir, start, steps=cfg.train.steps, n_params=w.n_params, tier=tier,
-                                 mesh=dict(zip(mesh_lib.AXES, w.mesh.devices.shape)), init_from=w.init_from),
-              file=sys.stderr, flush=True)
+        print(
+            outcome.begin_line(
+                w.run_dir,
+                start,
+                steps=cfg.train.steps,
+                n_params=w.n_params,
+                tier=tier,
+                mesh=dict(zip(mesh_lib.AXES, w.mesh.devices.shape)),
+                init_from=w.init_from,
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
     st = optim.set_hyperparams(st, w.hyperparams)  # runbook.json wins over what the checkpoint holds
-    it = data.make_iterator(cfg.data, corpus=w.corpus, seq_len=cfg.model.seq_len, steps=cfg.train.steps,
-                            seed=cfg.run.seed, process=jax.process_index(), processes=jax.process_count(),
-                            skips=w.skips)
+    it = data.make_iterator(
+        cfg.data,
+        corpus=w.corpus,
+        seq_len=cfg.model.seq_len,
+        steps=cfg.train.steps,
+        seed=cfg.run.seed,
+        process=jax.process_index(),
+        processes=jax.process_count(),
+        skips=w.skips,
+    )
     it.set_state({"next_index": start})
     audit = _audit_log(w, start) if cfg.data.audit else None
     step_fn = _compile(w, start)
@@ -115,8 +132,10 @@ def _install_signals(w: Worker, flags: Flags) -> None:
 def _restore_or_init(w: Worker):
     _enter(w, "restore", 0)
     t0 = time.perf_counter()
-    restored = w.ckpt.restore_newest(w.spec.abstract, layout={"processes": jax.process_count(),
-                                                              "mesh": dict(zip(mesh_lib.AXES, w.mesh.devices.shape))})
+    restored = w.ckpt.restore_newest(
+        w.spec.abstract,
+        layout={"processes": jax.process_count(), "mesh": dict(zip(mesh_lib.AXES, w.mesh.devices.shape))},
+    )
     if restored is None:
         st = w.spec.init()
         if w.init_from:  # fine-tuning: another run's params, this run's fresh optimizer state, RNG and schedule
@@ -132,8 +151,15 @@ def _restore_or_init(w: Worker):
 
 def _audit_log(w: Worker, start: int) -> AuditLog:
     windows = len(data.TokenWindows.of(w.corpus, w.cfg.model.seq_len))
-    return AuditLog(w.run_dir, process=jax.process_index(), processes=jax.process_count(), start=start,
-                    skips=w.skips, global_batch=w.cfg.data.batch_size, epoch_windows=windows)
+    return AuditLog(
+        w.run_dir,
+        process=jax.process_index(),
+        processes=jax.process_count(),
+        start=start,
+        skips=w.skips,
+        global_batch=w.cfg.data.batch_size,
+        epoch_windows=windows,
+    )
 
 
 def _compile(w: Worker, start: int):
@@ -145,8 +171,9 @@ def _compile(w: Worker, start: int):
     return compiled
 
 
-def _train(w: Worker, flags: Flags, step_fn, it, audit: AuditLog | None, st, start: int,
-           ev: evaluate.Evaluator | None) -> int:
+def _train(
+    w: Worker, flags: Flags, step_fn, it, audit: AuditLog | None, st, start: int, ev: evaluate.Evaluator | None
+) -> int:
     cfg = w.cfg
     bsh = mesh_lib.batch_sharding(w.mesh)
     stop_at = cfg.train.stop_at_step or cfg.train.steps
@@ -176,8 +203,17 @@ def _train(w: Worker, flags: Flags, step_fn, it, audit: AuditLog | None, st, sta
         periodic, timed = policy.due(step)
         to_local, local_timed = w.ckpt.local_due(step)
         spike, stop, asked, timed, flags.hold, local_timed, failed = agreement.exchange(
-            step, [flags.spike is not None, flags.stop, bool(flags.save_now), timed, flags.hold_asked, local_timed,
-                   bool(w.ckpt.failure())])
+            step,
+            [
+                flags.spike is not None,
+                flags.stop,
+                bool(flags.save_now),
+                timed,
+                flags.hold_asked,
+                local_timed,
+                bool(w.ckpt.failure()),
+            ],
+        )
         flags.stop |= stop  # a peer's SIGTERM stops this process too; a signal landing meanwhile is kept
         if spike:
             return _spike_exit(w, flags)
@@ -270,8 +306,11 @@ def _replica_exit(w: Worker, step: int, last_good: int, bad: dict) -> int:
     at or before `last_good` (every save was preceded by a check that passed) and restarts."""
     w.events.write("replica_mismatch", step=step, last_good=last_good, **bad)
     odd = [d["device"] for d in bad["devices"] if d["odd"]]
-    print(f"worker: replicas of {bad['param']} differ at step {step} (devices {odd} of "
-          f"{[d['device'] for d in bad['devices']]}); last agreement at step {last_good}", file=sys.stderr)
+    print(
+        f"worker: replicas of {bad['param']} differ at step {step} (devices {odd} of "
+        f"{[d['device'] for d in bad['devices']]}); last agreement at step {last_good}",
+        file=sys.stderr,
+    )
     w.ckpt.close()  # saves of earlier, checked states finish
     w.events.close()
     return exit_codes.REPLICA_MISMATCH
@@ -358,13 +397,21 @@ class _StepLog:
             if (action := mon.on_step(step, rec)) is not None:
                 self.flags.act(step, action)
         if step % w.cfg.log.every_steps == 0:
-            w.scalars.add(step, {
-                "loss/train": m["loss"], "optim/grad_norm": m["grad_norm"], "optim/update_norm": m["update_norm"],
-                "optim/lr": m["lr"], "throughput/tokens_per_s": tps, "time/step_s": dt,
-                "time/data_wait_s": data_wait, "time/ckpt_block_s": ckpt_s,
-                "time/compute_s": max(dt - data_wait - ckpt_s, 0.0),
-                **({"throughput/mfu": rec["mfu"]} if self.peak else {}),
-            })
+            w.scalars.add(
+                step,
+                {
+                    "loss/train": m["loss"],
+                    "optim/grad_norm": m["grad_norm"],
+                    "optim/update_norm": m["update_norm"],
+                    "optim/lr": m["lr"],
+                    "throughput/tokens_per_s": tps,
+                    "time/step_s": dt,
+                    "time/data_wait_s": data_wait,
+                    "time/ckpt_block_s": ckpt_s,
+                    "time/compute_s": max(dt - data_wait - ckpt_s, 0.0),
+                    **({"throughput/mfu": rec["mfu"]} if self.peak else {}),
+                },
+            )
         self.progress.update(step, m["loss"], tps, dt)
         self.loss = m["loss"]
 
@@ -384,8 +431,13 @@ def _finish(w: Worker, st, step: int, loss: float | None) -> None:
         loss = (newest_record(w.run_dir / rundir.EVENTS, "step", step) or {}).get("loss")
     digest = params_sha256(st["params"])
     if w.primary:
-        summary = {"final_step": step, "final_loss": loss, "params_sha256": digest, "n_params": w.n_params,
-                   "data_fingerprint": w.corpus.fingerprint}
+        summary = {
+            "final_step": step,
+            "final_loss": loss,
+            "params_sha256": digest,
+            "n_params": w.n_params,
+            "data_fingerprint": w.corpus.fingerprint,
+        }
         # wall_s spans the whole run: the supervisor's ledger (if any) replaces this worker-only figure.
         first = next(iter_events(w.run_dir / rundir.EVENTS))["time"]
         summary["wall_s"] = time.time() - first

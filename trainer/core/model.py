@@ -51,7 +51,8 @@ REMAT_POLICIES = {
     # are recomputed (without attn_out a fused attention kernel, not a dot, would run its forward again)
     "save_dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names("attn_out")),
+        jax.checkpoint_policies.save_only_these_names("attn_out"),
+    ),
     "save_attention": jax.checkpoint_policies.save_only_these_names("qkv", "attn_out"),  # recompute MLP + norms
 }
 
@@ -75,8 +76,7 @@ def _attention(cfg: ModelConfig, q_BLHK, k_BLHK, v_BLHK):
     if impl == "xla_remat":
         # Recompute the L x L scores in the backward pass instead of keeping them: the memory profile of a
         # fused (flash) kernel without the kernel. `inspect` sizes cuDNN runs on CPU with it.
-        return jax.checkpoint(causal_attention, policy=jax.checkpoint_policies.nothing_saveable)(
-            q_BLHK, k_BLHK, v_BLHK)
+        return jax.checkpoint(causal_attention, policy=jax.checkpoint_policies.nothing_saveable)(q_BLHK, k_BLHK, v_BLHK)
     return causal_attention(q_BLHK, k_BLHK, v_BLHK)
 
 
@@ -125,11 +125,11 @@ class Linear(nn.Module):
             y = jax.checkpoint(mul, policy=jax.checkpoint_policies.nothing_saveable)(x, kernel)
         if not self.use_bias:
             return y
-        bias = self.param("bias", P(nn.initializers.zeros, self._bias_axes()), self.shape[self.n_in:])
+        bias = self.param("bias", P(nn.initializers.zeros, self._bias_axes()), self.shape[self.n_in :])
         return add_bias(y, bias)
 
     def _bias_axes(self):
-        out = self.axes[self.n_in:]
+        out = self.axes[self.n_in :]
         return ("norm",) if out == ("embed",) else out  # a D-sized bias is tiny: replicate it like the norms
 
 
@@ -146,7 +146,8 @@ class Block(nn.Module):
         K, F = D // H, cfg.d_ff or 4 * D
         std_out = 0.02 / (2 * cfg.n_layers) ** 0.5  # GPT-2's scaling of the residual projections
         lin = lambda name, eq, shape, axes, n_in, std=0.02, act=None: Linear(  # noqa: E731
-            eq, shape, axes, n_in, std, dt, cfg.bias, act, name=name)
+            eq, shape, axes, n_in, std, dt, cfg.bias, act, name=name
+        )
 
         h_BLD = _layer_norm(cfg, "ln_1")(x_BLD)
         qkv_BLTHK = lin("qkv", "BLD,DTHK->BLTHK", (D, 3, H, K), ("embed", None, "heads", "head_dim"), 1)(h_BLD)
@@ -155,10 +156,10 @@ class Block(nn.Module):
         # slices are transposed to three zero-padded copies of dqkv that are summed (~3% of a CPU step).
         q_BLHK, k_BLHK, v_BLHK = (
             nn.with_logical_constraint(a.squeeze(2), ("batch", "seq", "heads", "head_dim"))
-            for a in jnp.split(qkv_BLTHK, 3, axis=2))
+            for a in jnp.split(qkv_BLTHK, 3, axis=2)
+        )
         o_BLHK = _attention(cfg, q_BLHK, k_BLHK, v_BLHK)
-        o_BLHK = checkpoint_name(nn.with_logical_constraint(o_BLHK, ("batch", "seq", "heads", "head_dim")),
-                                 "attn_out")
+        o_BLHK = checkpoint_name(nn.with_logical_constraint(o_BLHK, ("batch", "seq", "heads", "head_dim")), "attn_out")
         o_BLD = lin("proj", "BLHK,HKD->BLD", (H, K, D), ("heads", "head_dim", "embed"), 2, std_out)(o_BLHK)
         x_BLD = x_BLD + nn.Dropout(cfg.dropout)(o_BLD, deterministic=self.deterministic)
         x_BLD = nn.with_logical_constraint(x_BLD, ("batch", "seq", "act_embed"))
@@ -181,8 +182,13 @@ def _blocks(cfg: ModelConfig, x_BLD, deterministic: bool):
         for i in range(cfg.n_layers):
             x_BLD, _ = block(cfg, deterministic, name=f"block_{i}")(x_BLD, None)
         return x_BLD
-    stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
-                    length=cfg.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+    stack = nn.scan(
+        block,
+        variable_axes={"params": 0},
+        split_rngs={"params": True, "dropout": True},
+        length=cfg.n_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
     x_BLD, _ = stack(cfg, deterministic, name="blocks")(x_BLD, None)
     return x_BLD
 
@@ -209,8 +215,7 @@ class GPT(nn.Module):
         else:
             head_DV = self.param("lm_head", P(init, ("embed", "vocab")), (cfg.d_model, cfg.vocab_size))
         # The LM head multiplies in the compute dtype and accumulates in fp32; the softmax runs in fp32.
-        logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD.astype(dt), head_DV.astype(dt),
-                                preferred_element_type=jnp.float32)
+        logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD.astype(dt), head_DV.astype(dt), preferred_element_type=jnp.float32)
         return nn.with_logical_constraint(logits_BLV, ("batch", "seq", "vocab"))
 
 

@@ -16,8 +16,11 @@ from trainer.config import OptimConfig
 def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
-        decay_steps=max(total_steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio,
+        init_value=0.0,
+        peak_value=cfg.lr,
+        warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1),
+        end_value=cfg.lr * cfg.min_lr_ratio,
     )
 
 
@@ -32,8 +35,14 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
     def chain(lr_scale, clip_norm, b2):
         return optax.chain(
             optax.clip_by_global_norm(clip_norm),
-            optax.adamw(learning_rate=lambda count: sched(count) * lr_scale, b1=cfg.b1, b2=b2,
-                        eps=cfg.eps, weight_decay=cfg.weight_decay, mask=_decay_mask),
+            optax.adamw(
+                learning_rate=lambda count: sched(count) * lr_scale,
+                b1=cfg.b1,
+                b2=b2,
+                eps=cfg.eps,
+                weight_decay=cfg.weight_decay,
+                mask=_decay_mask,
+            ),
         )
 
     return optax.inject_hyperparams(chain)(lr_scale=1.0, clip_norm=cfg.clip_norm, b2=cfg.b2)

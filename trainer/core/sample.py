@@ -42,8 +42,16 @@ def _next_token_fn(loaded: weights.Loaded, *, temperature: float, top_k: int):
     return lambda window, n, key: int(next_token(loaded.params, window, n, key))
 
 
-def generate(loaded: weights.Loaded, prompt_ids: list[int], *, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, seed: int = 0, eos_id: int | None = None) -> list[int]:
+def generate(
+    loaded: weights.Loaded,
+    prompt_ids: list[int],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    seed: int = 0,
+    eos_id: int | None = None,
+) -> list[int]:
     """New token ids after the prompt: max_new_tokens of them, or fewer when end-of-text comes first."""
     seq_len = loaded.model.seq_len
     step = _next_token_fn(loaded, temperature=temperature, top_k=top_k)
@@ -52,7 +60,7 @@ def generate(loaded: weights.Loaded, prompt_ids: list[int], *, max_new_tokens: i
     for i in range(max_new_tokens):
         context = ids[-seq_len:]
         window = np.zeros(seq_len, np.int32)
-        window[:len(context)] = context
+        window[: len(context)] = context
         token = step(window, len(context), jax.random.fold_in(key, i))
         new.append(token)
         ids.append(token)
@@ -62,19 +70,29 @@ def generate(loaded: weights.Loaded, prompt_ids: list[int], *, max_new_tokens: i
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer sample", description=__doc__.split("\n\n")[0],
-                                epilog="Each new token recomputes the whole context, the last model.seq_len tokens "
-                                       "(no KV cache): fine for the small models one samples on a CPU, slow for "
-                                       "big ones.")
+    p = argparse.ArgumentParser(
+        prog="python -m trainer sample",
+        description=__doc__.split("\n\n")[0],
+        epilog="Each new token recomputes the whole context, the last model.seq_len tokens "
+        "(no KV cache): fine for the small models one samples on a CPU, slow for "
+        "big ones.",
+    )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run dir (or one checkpoint: RUN_DIR/checkpoints/STEP)")
-    p.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue (\"\": start from end-of-text)")
-    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
-                   help="stop after this many tokens (default 64), or at end-of-text")
+    p.add_argument("--prompt", required=True, metavar="TEXT", help='text to continue ("": start from end-of-text)')
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=64,
+        metavar="N",
+        help="stop after this many tokens (default 64), or at end-of-text",
+    )
     p.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy (argmax); default 0.8")
-    p.add_argument("--top-k", type=int, default=0, metavar="K",
-                   help="draw from the k most likely tokens only (0 = all)")
-    p.add_argument("--seed", type=int, default=0, metavar="S",
-                   help="seeds the draws (the same seed gives the same text)")
+    p.add_argument(
+        "--top-k", type=int, default=0, metavar="K", help="draw from the k most likely tokens only (0 = all)"
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, metavar="S", help="seeds the draws (the same seed gives the same text)"
+    )
     p.add_argument("--step", type=int, metavar="N", help="sample this checkpoint (default: the newest that verifies)")
     p.add_argument("--json", action="store_true", help="print one JSON object: prompt_ids, new_ids, text")
     return p
@@ -84,8 +102,11 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     jax.config.update("jax_platforms", "cpu")
     try:
-        for flag, v, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--temperature", args.temperature, 0),
-                             ("--top-k", args.top_k, 0)):
+        for flag, v, low in (
+            ("--max-new-tokens", args.max_new_tokens, 1),
+            ("--temperature", args.temperature, 0),
+            ("--top-k", args.top_k, 0),
+        ):
             if v < low:
                 raise ConfigError(f"{flag} must be >= {low}, got {v}")
         picked = pick.pick(args.run_dir, args.step)
@@ -96,8 +117,15 @@ def main(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     prompt_ids = [int(i) for i in tok.encoder()(args.prompt)] or [tok.eos_id]
-    new = generate(loaded, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, seed=args.seed, eos_id=tok.eos_id)
+    new = generate(
+        loaded,
+        prompt_ids,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        eos_id=tok.eos_id,
+    )
     text = tok.decoder()([i for i in new if i != tok.eos_id])
     if args.json:
         print(json.dumps({"prompt_ids": prompt_ids, "new_ids": new, "text": text}))

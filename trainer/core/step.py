@@ -33,7 +33,8 @@ def _grads(spec: StateSpec, mesh: Mesh, microbatches: int):
         # Microbatch i is rows i, i+k, i+2k, ...: every device holds an equal share of every microbatch.
         tokens_kbL1 = tokens_BL1.reshape(B // k, k, -1).swapaxes(0, 1)
         tokens_kbL1 = jax.lax.with_sharding_constraint(
-            tokens_kbL1, NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp"))))
+            tokens_kbL1, NamedSharding(mesh, PartitionSpec(None, ("data", "fsdp")))
+        )
 
         def body(acc, i_tokens):
             i, tokens_bL1 = i_tokens
@@ -81,10 +82,12 @@ def make_train_step(spec: StateSpec, mesh: Mesh, *, lr_schedule, microbatches: i
 
 def lower_train_step(spec: StateSpec, mesh: Mesh, cfg: Config, *, microbatches: int) -> jax.stages.Lowered:
     """The train step traced for the config's global batch, under the mesh and the logical-axis rules."""
-    step_fn = make_train_step(spec, mesh, lr_schedule=optim.schedule(cfg.optim, cfg.train.steps),
-                              microbatches=microbatches)
-    tokens = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.model.seq_len + 1), np.int32,
-                                  sharding=mesh_lib.batch_sharding(mesh))
+    step_fn = make_train_step(
+        spec, mesh, lr_schedule=optim.schedule(cfg.optim, cfg.train.steps), microbatches=microbatches
+    )
+    tokens = jax.ShapeDtypeStruct(
+        (cfg.data.batch_size, cfg.model.seq_len + 1), np.int32, sharding=mesh_lib.batch_sharding(mesh)
+    )
     with mesh_lib.active(mesh):
         return step_fn.lower(spec.abstract, tokens)
 

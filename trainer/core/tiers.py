@@ -62,9 +62,16 @@ def saved_meta(run_dir: Path, cfg: CheckpointConfig) -> dict | None:
 class Tiers:
     """What the loop saves into and restores from. `log` writes events (process 0's event log)."""
 
-    def __init__(self, run_dir: Path, cfg: CheckpointConfig, *, log: Callable[..., None],
-                 pinned: Callable[[list[int]], set[int]] | None, rewinds: list[int],
-                 commit_delay: Callable[[int], float] | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: CheckpointConfig,
+        *,
+        log: Callable[..., None],
+        pinned: Callable[[list[int]], set[int]] | None,
+        rewinds: list[int],
+        commit_delay: Callable[[int], float] | None = None,
+    ):
         self.cfg, self.log = cfg, log
         self.run_dir = Path(run_dir)
         self.durable = Checkpointer(self.run_dir / rundir.CHECKPOINTS, cfg, pinned=pinned, commit_delay=commit_delay)
@@ -145,7 +152,7 @@ class Tiers:
             except Exception:
                 out.append(step)
                 continue
-            stale = any(to < step for to in self.rewinds[int(meta.get("lineage", 0)):])
+            stale = any(to < step for to in self.rewinds[int(meta.get("lineage", 0)) :])
             if not stale and meta.get("processes") == layout["processes"] and meta.get("mesh") == layout["mesh"]:
                 out.append(step)
         return out

@@ -75,16 +75,19 @@ def check_shapes(want: Any, step_dir: Path, *, key: str) -> None:
         a, b = mine.get(name), have.get(name, (None,))[0]
         if a != b:
             say = lambda s: "absent" if s is None else f"shape {list(s)}"  # noqa: E731
-            raise ConfigError(f"{key}: param {name}: {say(a)} in this run's model, {say(b)} in {step_dir}; "
-                              f"set the model keys as that run had them")
+            raise ConfigError(
+                f"{key}: param {name}: {say(a)} in this run's model, {say(b)} in {step_dir}; "
+                f"set the model keys as that run had them"
+            )
 
 
 def restore_params(step_dir: Path, target: Any) -> Any:
     """The params of a checkpoint alone, restored as `target` says (shapes, dtypes, shardings): Orbax reads
     only their arrays, from whichever process shards wrote them."""
     item = {"params": target}
-    args = ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-                                  partial_restore=True)
+    args = ocp.args.PyTreeRestore(
+        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
+    )
     with ocp.PyTreeCheckpointer() as ck:
         return ck.restore(Path(step_dir).absolute() / "state", args=args)["params"]
 
@@ -94,8 +97,9 @@ def on_cpu(picked: pick.Picked) -> Loaded:
     try:
         meta = read_meta(picked.dir)
     except Exception as e:  # only a checkpoint saved without manifests gets here damaged
-        raise ConfigError(f"checkpoint {picked.dir}: its metadata item is unreadable ({type(e).__name__}); "
-                          f"pick another checkpoint") from None
+        raise ConfigError(
+            f"checkpoint {picked.dir}: its metadata item is unreadable ({type(e).__name__}); pick another checkpoint"
+        ) from None
     cfg = model_config(meta)
     device = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract_params(cfg))
@@ -116,13 +120,22 @@ def init_source(cfg: Config) -> dict | None:
     if not cfg.train.init_from:
         return None
     try:
-        picked = pick.pick(cfg.train.init_from, agree=_agreed, share=(jax.process_index(), jax.process_count()),
-                           name_it=f"a step path, RUN_DIR/{rundir.CHECKPOINTS}/STEP")
+        picked = pick.pick(
+            cfg.train.init_from,
+            agree=_agreed,
+            share=(jax.process_index(), jax.process_count()),
+            name_it=f"a step path, RUN_DIR/{rundir.CHECKPOINTS}/STEP",
+        )
     except ConfigError as e:
         raise ConfigError(f"train.init_from: {e}") from None
     check_shapes(abstract_params(cfg.model), picked.dir, key="train.init_from")
-    return {"path": cfg.train.init_from, "checkpoint": str(picked.dir.absolute()), "from_step": picked.step,
-            "verified": picked.verified, **({"skipped": picked.notes} if picked.notes else {})}
+    return {
+        "path": cfg.train.init_from,
+        "checkpoint": str(picked.dir.absolute()),
+        "from_step": picked.step,
+        "verified": picked.verified,
+        **({"skipped": picked.notes} if picked.notes else {}),
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +153,10 @@ class RunTokenizer:
     def load(self) -> tokenizer.Tok:
         """The tokenizer itself (to encode and decode); ConfigError when the run has none."""
         if self.name == IMPORTED:
-            raise ConfigError(f"the run trained on imported token ids ({self.dir}): there is no tokenizer to "
-                              f"encode or decode text with")
+            raise ConfigError(
+                f"the run trained on imported token ids ({self.dir}): there is no tokenizer to "
+                f"encode or decode text with"
+            )
         return tokenizer.of_prepared(self.name, self.file)
 
 
@@ -167,6 +182,8 @@ def tokenizer_of(run_dir: Path | None, meta: dict) -> RunTokenizer:
     name = ready["tokenizer"] if ready else data["tokenizer"] if raw else None
     if name == tokenizer.BYTES.name:
         return RunTokenizer(name, tokenizer.BYTES.eos_id, None)
-    raise ConfigError(f"the data this checkpoint was trained on (tokenizer {name or data['tokenizer']!r}, fingerprint "
-                      f"{meta['data_fingerprint'][:12]}) is not where the run found it "
-                      f"({', '.join(map(str, places)) or 'no data_ready event'}); prepare it again there")
+    raise ConfigError(
+        f"the data this checkpoint was trained on (tokenizer {name or data['tokenizer']!r}, fingerprint "
+        f"{meta['data_fingerprint'][:12]}) is not where the run found it "
+        f"({', '.join(map(str, places)) or 'no data_ready event'}); prepare it again there"
+    )

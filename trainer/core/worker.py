@@ -79,11 +79,13 @@ def check_resume(saved: dict, cfg: Config, fingerprint: str) -> list[str]:
         if _dig(saved["config"], key) != _dig(now, key):
             raise ConfigError(
                 f"cannot resume {cfg.run.dir}: {key} changed from {_dig(saved['config'], key)!r} to "
-                f"{_dig(now, key)!r}; use a new run.dir or restore the old value")
+                f"{_dig(now, key)!r}; use a new run.dir or restore the old value"
+            )
     if saved["data_fingerprint"] != fingerprint:
         raise ConfigError(
             f"cannot resume {cfg.run.dir}: the training data changed (fingerprint "
-            f"{saved['data_fingerprint'][:12]} -> {fingerprint[:12]}); point data.path at the original corpus")
+            f"{saved['data_fingerprint'][:12]} -> {fingerprint[:12]}); point data.path at the original corpus"
+        )
     changes = []
     for section, values in now.items():
         old = saved["config"].get(section)
@@ -113,27 +115,36 @@ def stack_changes(saved: dict, cfg: Config) -> list[str]:
     return out
 
 
-def validate_shapes(cfg: Config, mesh_shape: tuple[int, int, int], processes: int, microbatches: int,
-                    corpus: data.Corpus | None) -> None:
+def validate_shapes(
+    cfg: Config, mesh_shape: tuple[int, int, int], processes: int, microbatches: int, corpus: data.Corpus | None
+) -> None:
     """Shapes the mesh and batch must divide; `corpus` None: sizing a run without its data (inspect)."""
     data_par, _, tensor = mesh_shape
     if corpus is not None and cfg.model.vocab_size < corpus.vocab_size:
         raise ConfigError(
             f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's vocabulary "
             f"({corpus.vocab_size}, {corpus.meta['tokenizer']} in {corpus.dir}); set model.vocab_size >= "
-            f"{corpus.vocab_size}")
-    for key, v in (("model.vocab_size", cfg.model.vocab_size), ("model.n_heads", cfg.model.n_heads),
-                   ("model.d_ff", cfg.model.d_ff or 4 * cfg.model.d_model)):
+            f"{corpus.vocab_size}"
+        )
+    for key, v in (
+        ("model.vocab_size", cfg.model.vocab_size),
+        ("model.n_heads", cfg.model.n_heads),
+        ("model.d_ff", cfg.model.d_ff or 4 * cfg.model.d_model),
+    ):
         if v % tensor:
             raise ConfigError(f"{key} ({v}) must be divisible by mesh.tensor ({tensor})")
     shards = data_par * mesh_shape[1]
     if cfg.data.batch_size % shards or cfg.data.batch_size % processes:
-        raise ConfigError(f"data.batch_size ({cfg.data.batch_size}) must be divisible by data x fsdp ({shards})"
-                          f" and by the process count ({processes})")
+        raise ConfigError(
+            f"data.batch_size ({cfg.data.batch_size}) must be divisible by data x fsdp ({shards})"
+            f" and by the process count ({processes})"
+        )
     if (cfg.data.batch_size // shards) % microbatches:
-        raise ConfigError(f"data.batch_size / (data x fsdp) = {cfg.data.batch_size // shards} sequences per device"
-                          f" must be divisible by train.microbatches ({microbatches}"
-                          f"{', raised for the shrunk group' if microbatches != cfg.train.microbatches else ''})")
+        raise ConfigError(
+            f"data.batch_size / (data x fsdp) = {cfg.data.batch_size // shards} sequences per device"
+            f" must be divisible by train.microbatches ({microbatches}"
+            f"{', raised for the shrunk group' if microbatches != cfg.train.microbatches else ''})"
+        )
 
 
 def versions() -> dict:
@@ -151,9 +162,18 @@ def _load_data(cfg: Config) -> tuple[data.Corpus, np.ndarray | None, float]:
     off) and the seconds it took."""
     t0 = time.perf_counter()
     corpus = data.prepare(cfg.data, process=jax.process_index(), min_tokens=cfg.model.seq_len + 1)
-    windows = None if not cfg.eval.every_steps else data.eval_windows(
-        corpus, seq_len=cfg.model.seq_len, global_batch=cfg.data.batch_size, batches=cfg.eval.batches,
-        process=jax.process_index(), processes=jax.process_count())
+    windows = (
+        None
+        if not cfg.eval.every_steps
+        else data.eval_windows(
+            corpus,
+            seq_len=cfg.model.seq_len,
+            global_batch=cfg.data.batch_size,
+            batches=cfg.eval.batches,
+            process=jax.process_index(),
+            processes=jax.process_count(),
+        )
+    )
     return corpus, windows, time.perf_counter() - t0
 
 
@@ -161,14 +181,25 @@ def _announce_changes(cfg: Config, events: EventLog, saved: dict | None, microba
     """What this start changes against the plan or the checkpoint: a shrunk group's microbatches, another
     software stack (an event, and one stderr line: bitwise resume no longer holds)."""
     if microbatches != cfg.train.microbatches:
-        events.write("elastic_microbatches", processes=jax.process_count(), planned=cfg.launch.processes,
-                     microbatches=microbatches, detail="the group shrank: same global and per-device batch")
+        events.write(
+            "elastic_microbatches",
+            processes=jax.process_count(),
+            planned=cfg.launch.processes,
+            microbatches=microbatches,
+            detail="the group shrank: same global and per-device batch",
+        )
     if saved and (stack := stack_changes(saved, cfg)):
-        events.write("stack_changed", changes=stack, meaning="resumed on another software stack: the run "
-                     "continues, but bitwise equality with an uninterrupted run is no longer promised")
+        events.write(
+            "stack_changed",
+            changes=stack,
+            meaning="resumed on another software stack: the run "
+            "continues, but bitwise equality with an uninterrupted run is no longer promised",
+        )
         if primary:
-            print(f"warning: resuming on another software stack ({'; '.join(stack)}): not bitwise resumable",
-                  file=sys.stderr)
+            print(
+                f"warning: resuming on another software stack ({'; '.join(stack)}): not bitwise resumable",
+                file=sys.stderr,
+            )
 
 
 def setup(cfg: Config) -> Worker:
@@ -193,9 +224,18 @@ def setup(cfg: Config) -> Worker:
         rundir.atomic_write(run_dir / rundir.CONFIG, dump_yaml(runbook.softened_config(cfg, rb)))
     for c in changes:
         events.write("config_changed", change=c)
-    events.write("data_ready", seconds=data_s, dir=str(corpus.dir), source=corpus.source,
-                 tokenizer=corpus.meta["tokenizer"], vocab_size=corpus.vocab_size, n_tokens=corpus.n_tokens,
-                 n_val_tokens=corpus.n_val_tokens, fingerprint=corpus.fingerprint, prepared_now=corpus.fresh)
+    events.write(
+        "data_ready",
+        seconds=data_s,
+        dir=str(corpus.dir),
+        source=corpus.source,
+        tokenizer=corpus.meta["tokenizer"],
+        vocab_size=corpus.vocab_size,
+        n_tokens=corpus.n_tokens,
+        n_val_tokens=corpus.n_val_tokens,
+        fingerprint=corpus.fingerprint,
+        prepared_now=corpus.fresh,
+    )
     _announce_changes(cfg, events, saved, microbatches, primary=primary)
     mesh = mesh_lib.make_mesh(cfg.mesh)
     tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
@@ -203,26 +243,51 @@ def setup(cfg: Config) -> Worker:
     scalars = Writer(run_dir / rundir.TENSORBOARD, enabled=primary and cfg.log.tensorboard)
     if primary and not saved:
         scalars.text("config", "```\n" + dump_yaml(cfg) + "\n```")
-        scalars.hparams(to_dict(cfg), metric_tags=("loss/train", "loss/eval", "throughput/tokens_per_s",
-                                                   "throughput/mfu"))
+        scalars.hparams(
+            to_dict(cfg), metric_tags=("loss/train", "loss/eval", "throughput/tokens_per_s", "throughput/mfu")
+        )
     pins = lambda steps: runbook.retention_pins(  # noqa: E731
-        steps, window=cfg.runbook.window if cfg.runbook.enabled else None, pinned=rb.pinned)
+        steps, window=cfg.runbook.window if cfg.runbook.enabled else None, pinned=rb.pinned
+    )
     faults = FaultInjector(cfg.faults, run_dir, enabled=primary)
     faults.at_startup()
     w = Worker(
-        cfg=cfg, run_dir=run_dir, primary=primary, corpus=corpus, mesh=mesh, spec=spec,
-        ckpt=tiers.Tiers(run_dir, cfg.checkpoint, log=events.write, pinned=pins,
-                         rewinds=[h["to"] for h in rb.history if h["action"] in ("skip", "soften")],
-                         commit_delay=faults.commit_delay if faults.slow_saves() else None),
-        events=events, scalars=scalars, heartbeat=Heartbeat(run_dir, jax.process_index(), data=corpus.fingerprint),
-        faults=faults, skips=rb.skips, hyperparams=rb.hyperparams(), n_params=state_lib.param_count(spec.abstract),
+        cfg=cfg,
+        run_dir=run_dir,
+        primary=primary,
+        corpus=corpus,
+        mesh=mesh,
+        spec=spec,
+        ckpt=tiers.Tiers(
+            run_dir,
+            cfg.checkpoint,
+            log=events.write,
+            pinned=pins,
+            rewinds=[h["to"] for h in rb.history if h["action"] in ("skip", "soften")],
+            commit_delay=faults.commit_delay if faults.slow_saves() else None,
+        ),
+        events=events,
+        scalars=scalars,
+        heartbeat=Heartbeat(run_dir, jax.process_index(), data=corpus.fingerprint),
+        faults=faults,
+        skips=rb.skips,
+        hyperparams=rb.hyperparams(),
+        n_params=state_lib.param_count(spec.abstract),
         replicas=ReplicaCheck(mesh, spec.abstract["params"]) if cfg.integrity.replica_check_steps else None,
-        eval_windows=eval_windows, microbatches=microbatches, init_from=init_from,
+        eval_windows=eval_windows,
+        microbatches=microbatches,
+        init_from=init_from,
     )
     # Dashboard: grad-norm trend, throughput drop, hardware health (ECC rising -> checkpoint now), markers.
     w.monitors.extend(alerts.build(cfg, run_dir=run_dir, events=events, scalars=scalars, faults=faults))
     if cfg.runbook.enabled:
-        w.monitors.append(SpikeDetector(
-            cfg.runbook, log=events.write, batch_of=lambda s: data.batch_index(s - 1, rb.skips),
-            stop_step=cfg.train.stop_at_step or cfg.train.steps, events_path=run_dir / rundir.EVENTS))
+        w.monitors.append(
+            SpikeDetector(
+                cfg.runbook,
+                log=events.write,
+                batch_of=lambda s: data.batch_index(s - 1, rb.skips),
+                stop_step=cfg.train.stop_at_step or cfg.train.steps,
+                events_path=run_dir / rundir.EVENTS,
+            )
+        )
     return w

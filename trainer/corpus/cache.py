@@ -27,8 +27,15 @@ QUIET_S = 10.0  # a preparation shorter than this says nothing: the run's own li
 
 
 def entry(cfg: DataConfig, src: sources.Source) -> Path:
-    key = "\n".join([shards.FORMAT, tokenizer.identity(cfg.tokenizer), f"val={cfg.val_fraction!r}",
-                     f"field={src.text_field}", src.stat_key()])
+    key = "\n".join(
+        [
+            shards.FORMAT,
+            tokenizer.identity(cfg.tokenizer),
+            f"val={cfg.val_fraction!r}",
+            f"field={src.text_field}",
+            src.stat_key(),
+        ]
+    )
     return Path(cfg.cache_dir).expanduser() / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -64,8 +71,10 @@ def _usable(dest: Path) -> shards.Prepared | None:
 
 def _long_enough(prep: shards.Prepared, min_tokens: int) -> shards.Prepared:
     if prep.n_tokens < min_tokens:
-        raise ConfigError(f"data.path {prep.source}: {prep.n_tokens} tokens, shorter than one training window of "
-                          f"{min_tokens} (model.seq_len + 1); point data.path at more text or lower model.seq_len")
+        raise ConfigError(
+            f"data.path {prep.source}: {prep.n_tokens} tokens, shorter than one training window of "
+            f"{min_tokens} (model.seq_len + 1); point data.path at more text or lower model.seq_len"
+        )
     return prep
 
 
@@ -90,8 +99,9 @@ def _prepare_locked(plan: prepare.Plan, dest: Path) -> None:
             shutil.rmtree(orphan, ignore_errors=True)
         tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
-            prepare.prepare(plan, tmp, progress=f"data: preparing {plan.source.name} ({plan.spec}) into {dest}",
-                            quiet_s=QUIET_S)
+            prepare.prepare(
+                plan, tmp, progress=f"data: preparing {plan.source.name} ({plan.spec}) into {dest}", quiet_s=QUIET_S
+            )
             shards.fsync_dir(tmp)
             shutil.rmtree(dest, ignore_errors=True)  # a torn entry from before meta.json existed
             os.rename(tmp, dest)
@@ -114,7 +124,9 @@ def _wait_for(dest: Path, *, poll_s: float = 0.1) -> None:
             os.close(fd)
             free_since = free_since or time.monotonic()
             if time.monotonic() - free_since > ORPHAN_WAIT_S:
-                raise ConfigError(f"data: waited {ORPHAN_WAIT_S:.0f}s for process 0 to prepare {dest}, and nobody "
-                                  f"is preparing it there: data.cache_dir must be shared by all processes, or "
-                                  f"prepare the data first (python -m trainer prepare) and set data.path to it")
+                raise ConfigError(
+                    f"data: waited {ORPHAN_WAIT_S:.0f}s for process 0 to prepare {dest}, and nobody "
+                    f"is preparing it there: data.cache_dir must be shared by all processes, or "
+                    f"prepare the data first (python -m trainer prepare) and set data.path to it"
+                )
         time.sleep(poll_s)

@@ -57,8 +57,10 @@ class _Progress:
             return
         self.last, self.shown = now, True
         rate = n_tokens / max(now - self.t0, 1e-9)
-        line = (f"{self.label}: {n_bytes / self.total:4.0%} {n_bytes / 1e6:,.1f}/{self.total / 1e6:,.1f} MB  "
-                f"{n_tokens:,} tokens  {rate:,.0f} tok/s")
+        line = (
+            f"{self.label}: {n_bytes / self.total:4.0%} {n_bytes / 1e6:,.1f}/{self.total / 1e6:,.1f} MB  "
+            f"{n_tokens:,} tokens  {rate:,.0f} tok/s"
+        )
         end = "\n" if final or not self.tty else ""
         print(("\r" if self.tty else "") + line, end=end, file=sys.stderr, flush=True)
 
@@ -104,8 +106,9 @@ def _encoded(plan: Plan, tok: Tok):
         _init_worker(tok)
         yield from map(_encode_chunk, _chunks(plan))
         return
-    with ProcessPoolExecutor(plan.workers, mp_context=get_context("spawn"), initializer=_init_worker,
-                             initargs=(tok,)) as pool:
+    with ProcessPoolExecutor(
+        plan.workers, mp_context=get_context("spawn"), initializer=_init_worker, initargs=(tok,)
+    ) as pool:
         pending = collections.deque()
         for chunk in _chunks(plan):
             pending.append(pool.submit(_encode_chunk, chunk))
@@ -146,18 +149,28 @@ def prepare(plan: Plan, out: Path, *, progress: str = "prepare", quiet_s: float 
         n_bytes, n_tokens = n_bytes + b, n_tokens + train.size + val.size
         bar.update(n_bytes, n_tokens)
     bar.update(n_bytes, n_tokens, final=True)
-    meta = {"tokenizer": tok.name, "tokenizer_file": tok.file, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
-            "dtype": dtype, "source": plan.source.name, "text_field": plan.source.text_field,
-            "val_fraction": float(plan.val_fraction), "val_rule": sources.VAL_RULE, "input_bytes": n_bytes,
-            "bytes_per_token": n_bytes / max(n_tokens, 1),
-            "shards": writers["train"].close() + writers["val"].close()}
+    meta = {
+        "tokenizer": tok.name,
+        "tokenizer_file": tok.file,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "dtype": dtype,
+        "source": plan.source.name,
+        "text_field": plan.source.text_field,
+        "val_fraction": float(plan.val_fraction),
+        "val_rule": sources.VAL_RULE,
+        "input_bytes": n_bytes,
+        "bytes_per_token": n_bytes / max(n_tokens, 1),
+        "shards": writers["train"].close() + writers["val"].close(),
+    }
     shards.write_meta(out, meta)
     encode_s = time.perf_counter() - t1
     return dict(shards.read(out).meta, tokenizer_s=t_tok, encode_s=encode_s, tokens_per_s=n_tokens / encode_s)
 
 
-def from_tokens(src: Path, out: Path, *, dtype: str, vocab_size: int, eos_id: int,
-                shard_tokens: int = shards.SHARD_TOKENS) -> dict:
+def from_tokens(
+    src: Path, out: Path, *, dtype: str, vocab_size: int, eos_id: int, shard_tokens: int = shards.SHARD_TOKENS
+) -> dict:
     """Import flat token files without re-tokenizing: a file (training split only) or a directory with
     train.bin and optionally val.bin (nanoGPT's layout). Token ids are checked against vocab_size."""
     files = {"train": src} if src.is_file() else {s: src / f"{s}.bin" for s in ("train", "val")}
@@ -175,14 +188,25 @@ def from_tokens(src: Path, out: Path, *, dtype: str, vocab_size: int, eos_id: in
         w = shards.ShardWriter(out, split, dtype, shard_tokens)
         tokens = np.memmap(f, dtype=dtype, mode="r") if f.stat().st_size else np.zeros(0, dtype)
         for start in range(0, tokens.size, 1 << 24):
-            part = np.asarray(tokens[start:start + (1 << 24)])
+            part = np.asarray(tokens[start : start + (1 << 24)])
             if part.size and int(part.max()) >= vocab_size:
-                raise ConfigError(f"{f}: token id {int(part.max())} >= --vocab-size {vocab_size}; check --dtype "
-                                  f"and --vocab-size")
+                raise ConfigError(
+                    f"{f}: token id {int(part.max())} >= --vocab-size {vocab_size}; check --dtype and --vocab-size"
+                )
             w.write(part)
         written += w.close()
-    shards.write_meta(out, {"tokenizer": "imported tokens", "tokenizer_file": None, "vocab_size": vocab_size,
-                            "eos_id": eos_id, "dtype": dtype, "source": str(src.resolve()), "shards": written})
+    shards.write_meta(
+        out,
+        {
+            "tokenizer": "imported tokens",
+            "tokenizer_file": None,
+            "vocab_size": vocab_size,
+            "eos_id": eos_id,
+            "dtype": dtype,
+            "source": str(src.resolve()),
+            "shards": written,
+        },
+    )
     return shards.read(out).meta
 
 
@@ -213,14 +237,24 @@ def _run(args) -> dict:
             raise ConfigError("--from-tokens needs --dtype uint16|uint32 and --vocab-size N")
         if args.dtype == "uint16" and args.vocab_size > 1 << 16:
             raise ConfigError(f"--vocab-size {args.vocab_size} does not fit uint16 tokens; use --dtype uint32")
-        return from_tokens(Path(args.from_tokens), out, dtype=args.dtype, vocab_size=args.vocab_size,
-                           eos_id=args.eos_id, shard_tokens=args.shard_tokens)
+        return from_tokens(
+            Path(args.from_tokens),
+            out,
+            dtype=args.dtype,
+            vocab_size=args.vocab_size,
+            eos_id=args.eos_id,
+            shard_tokens=args.shard_tokens,
+        )
     if not args.input:
         raise ConfigError("pass --input PATH (text to tokenize) or --from-tokens FILE_OR_DIR")
     tokenizer.identity(args.tokenizer)  # a bad SPEC fails here, before anything is read
-    plan = Plan(sources.open_source(args.input, text_field=args.text_field, default_corpus_mb=0, key="--input"),
-                args.tokenizer, sources.val_fraction(args.val_fraction, "--val-fraction"), args.workers,
-                args.shard_tokens)
+    plan = Plan(
+        sources.open_source(args.input, text_field=args.text_field, default_corpus_mb=0, key="--input"),
+        args.tokenizer,
+        sources.val_fraction(args.val_fraction, "--val-fraction"),
+        args.workers,
+        args.shard_tokens,
+    )
     return prepare(plan, out)
 
 
@@ -236,7 +270,9 @@ def main(argv: list[str]) -> int:
         return 2
     rate = f", {meta['tokens_per_s']:,.0f} tok/s with {args.workers} worker(s)" if "tokens_per_s" in meta else ""
     bpt = f", {meta['bytes_per_token']:.2f} bytes/token" if "bytes_per_token" in meta else ""
-    print(f"prepared {args.out}: {meta['n_tokens']:,} train + {meta['n_val_tokens']:,} val tokens, "
-          f"{meta['tokenizer']} (vocab {meta['vocab_size']}, {meta['dtype']}){bpt}{rate}; "
-          f"fingerprint {meta['fingerprint'][:12]}")
+    print(
+        f"prepared {args.out}: {meta['n_tokens']:,} train + {meta['n_val_tokens']:,} val tokens, "
+        f"{meta['tokenizer']} (vocab {meta['vocab_size']}, {meta['dtype']}){bpt}{rate}; "
+        f"fingerprint {meta['fingerprint'][:12]}"
+    )
     return 0

@@ -58,7 +58,7 @@ class ShardWriter:
                 name = f"{self.split}-{len(self.shards):05d}.bin"
                 self._fh, self._hash, self._in_shard = open(self.out / name, "wb"), hashlib.sha256(), 0
                 self.shards.append({"file": name, "split": self.split, "n_tokens": 0, "sha256": ""})
-            part, tokens = tokens[: self.shard_tokens - self._in_shard], tokens[self.shard_tokens - self._in_shard:]
+            part, tokens = tokens[: self.shard_tokens - self._in_shard], tokens[self.shard_tokens - self._in_shard :]
             data = part.tobytes()
             self._fh.write(data)
             self._hash.update(data)
@@ -81,9 +81,13 @@ class ShardWriter:
 def write_meta(out: Path, meta: dict) -> None:
     """meta.json last, atomically: its presence means the DIR is complete."""
     shards = meta["shards"]
-    meta = dict(meta, format=FORMAT, fingerprint=fingerprint(meta["dtype"], shards),
-                n_tokens=sum(s["n_tokens"] for s in shards if s["split"] == "train"),
-                n_val_tokens=sum(s["n_tokens"] for s in shards if s["split"] == "val"))
+    meta = dict(
+        meta,
+        format=FORMAT,
+        fingerprint=fingerprint(meta["dtype"], shards),
+        n_tokens=sum(s["n_tokens"] for s in shards if s["split"] == "train"),
+        n_val_tokens=sum(s["n_tokens"] for s in shards if s["split"] == "val"),
+    )
     write_json(out / META, meta, durable=True)
 
 
@@ -145,8 +149,10 @@ def read(path: Path) -> Prepared:
         f = path / s["file"]
         size = f.stat().st_size if f.is_file() else -1
         if size != s["n_tokens"] * item:
-            raise ConfigError(f"{f}: {'missing' if size < 0 else f'{size} bytes'}, meta.json says "
-                              f"{s['n_tokens'] * item}; the prepared data is damaged: prepare it again")
+            raise ConfigError(
+                f"{f}: {'missing' if size < 0 else f'{size} bytes'}, meta.json says "
+                f"{s['n_tokens'] * item}; the prepared data is damaged: prepare it again"
+            )
     return Prepared(path, meta)
 
 

@@ -119,8 +119,10 @@ def _jsonl(path: Path, field: str) -> Iterator[str]:
                 raise ConfigError(f"{path} line {n}: not valid JSON (one JSON object per line)") from None
             if not isinstance(rec, dict) or not isinstance(rec.get(field), str):
                 have = ", ".join(sorted(rec)[:8]) if isinstance(rec, dict) else type(rec).__name__
-                raise ConfigError(f"{path} line {n}: no text field {field!r} (it has: {have}); "
-                                  f"pass --text-field NAME (data.text_field)")
+                raise ConfigError(
+                    f"{path} line {n}: no text field {field!r} (it has: {have}); "
+                    f"pass --text-field NAME (data.text_field)"
+                )
             yield rec[field]
 
 
@@ -133,8 +135,9 @@ def _parquet(path: Path, field: str) -> Iterator[str]:
         raise ConfigError(f"{path}: not a readable parquet file ({str(e)[:120]})") from None
     names = pf.schema_arrow.names
     if field not in names:
-        raise ConfigError(f"{path}: no column {field!r} (columns: {', '.join(names[:12])}); "
-                          f"pass --text-field NAME (data.text_field)")
+        raise ConfigError(
+            f"{path}: no column {field!r} (columns: {', '.join(names[:12])}); pass --text-field NAME (data.text_field)"
+        )
     for batch in pf.iter_batches(columns=[field], batch_size=1024):
         for text in batch.column(0).to_pylist():
             if text is not None:

@@ -97,8 +97,9 @@ def bpe_size(spec: str) -> int | None:
         return None
     m = re.fullmatch(r"bpe:(\d+)", spec)
     if not m or int(m.group(1)) < 258:
-        raise ConfigError(f"tokenizer {spec!r}: bpe:N needs a whole N >= 258 (256 bytes + end-of-text + merges), "
-                          f"e.g. bpe:1024")
+        raise ConfigError(
+            f"tokenizer {spec!r}: bpe:N needs a whole N >= 258 (256 bytes + end-of-text + merges), e.g. bpe:1024"
+        )
     return int(m.group(1))
 
 
@@ -136,8 +137,9 @@ def from_tokenizer_json(path: Path) -> Tok:
         raise ConfigError(f"tokenizer {path}: not a Hugging Face tokenizer.json ({str(e)[:120]})") from None
     eos = next((tok.token_to_id(n) for n in EOS_NAMES if tok.token_to_id(n) is not None), None)
     if eos is None:
-        raise ConfigError(f"tokenizer {path}: no end-of-text token (looked for {', '.join(EOS_NAMES)}); "
-                          f"add one as a special token")
+        raise ConfigError(
+            f"tokenizer {path}: no end-of-text token (looked for {', '.join(EOS_NAMES)}); add one as a special token"
+        )
     digest = hashlib.sha256(text.encode()).hexdigest()
     return Tok(f"tokenizer.json sha256:{digest[:16]}", "hf", text, tok.get_vocab_size(with_added_tokens=True), eos)
 
@@ -150,13 +152,15 @@ def train_bpe(n: int, docs: Iterable[str | bytes], *, n_docs: int) -> Tok:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=n, special_tokens=[EOT], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=n, special_tokens=[EOT], show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator((_text(d) for d in docs), trainer=trainer, length=n_docs)
     return Tok(f"bpe:{n}", "hf", tok.to_str(), tok.get_vocab_size(with_added_tokens=True), tok.token_to_id(EOT))
 
 
 # --- tiktoken: only what is already on this machine -------------------------------------------------
+
 
 class _NoDownload(Exception):
     pass
@@ -167,12 +171,15 @@ def _tiktoken_name(spec: str) -> str:
     try:
         import tiktoken
     except ImportError:
-        raise ConfigError(f"tokenizer {spec!r} is not one of {SPEC_FORMS} (as a tiktoken encoding: tiktoken is "
-                          f"not installed; pip install tiktoken, with its encoding file in TIKTOKEN_CACHE_DIR)"
-                          ) from None
+        raise ConfigError(
+            f"tokenizer {spec!r} is not one of {SPEC_FORMS} (as a tiktoken encoding: tiktoken is "
+            f"not installed; pip install tiktoken, with its encoding file in TIKTOKEN_CACHE_DIR)"
+        ) from None
     if name not in tiktoken.list_encoding_names():
-        raise ConfigError(f"tokenizer {spec!r} is not one of {SPEC_FORMS} (known tiktoken encodings: "
-                          f"{', '.join(tiktoken.list_encoding_names())})")
+        raise ConfigError(
+            f"tokenizer {spec!r} is not one of {SPEC_FORMS} (known tiktoken encodings: "
+            f"{', '.join(tiktoken.list_encoding_names())})"
+        )
     return name
 
 
@@ -193,11 +200,15 @@ def tiktoken_encoding(name: str):
     try:
         return tiktoken.get_encoding(name)
     except _NoDownload as e:
-        cache = (os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
-                 or os.path.join(tempfile.gettempdir(), "data-gym-cache"))  # tiktoken.load's own lookup order
+        cache = (
+            os.environ.get("TIKTOKEN_CACHE_DIR")
+            or os.environ.get("DATA_GYM_CACHE_DIR")
+            or os.path.join(tempfile.gettempdir(), "data-gym-cache")
+        )  # tiktoken.load's own lookup order
         key = hashlib.sha1(str(e).encode()).hexdigest()
-        raise ConfigError(f"tiktoken encoding {name!r} is not available locally (nothing is downloaded): put "
-                          f"{e} at {cache}/{key} (or set TIKTOKEN_CACHE_DIR), or use bpe:N or a tokenizer.json"
-                          ) from None
+        raise ConfigError(
+            f"tiktoken encoding {name!r} is not available locally (nothing is downloaded): put "
+            f"{e} at {cache}/{key} (or set TIKTOKEN_CACHE_DIR), or use bpe:N or a tokenizer.json"
+        ) from None
     finally:
         tiktoken.load.read_file = real

@@ -21,29 +21,39 @@ ALERTS = {
         "spike or divergence often follows",
         "watch the loss; on a spike the runbook rewinds to the last good checkpoint, skips the offending "
         "batches and, if it recurs, lowers the peak LR / tightens clipping. A steady climb alone: consider "
-        "a lower LR or tighter clip at the next restart"),
+        "a lower LR or tighter clip at the next restart",
+    ),
     "throughput_drop": (
         "tokens/s fell well below its recent median: a straggler device or host, a degraded network link, a "
         "slow input pipeline or thermal/power throttling; money leaks with no crash",
         "compare time/data_wait_s with time/compute_s and the health/* scalars (throttling, one device hotter "
         "or slower); if one node is degraded, drain it: stop at a checkpoint and restart without it (SLURM "
-        "exclude / hot spare)"),
+        "exclude / hot spare)",
+    ),
     "ecc_rising": (
-        "a device's ECC error count is rising: failing memory, which often precedes an uncorrectable error "
-        "and a crash",
+        "a device's ECC error count is rising: failing memory, which often precedes an uncorrectable error and a crash",
         "checkpoint now (done automatically), then drain the node: stop at that checkpoint and restart on a "
-        "spare, excluding this GPU/host"),
+        "spare, excluding this GPU/host",
+    ),
     "step_overdue": (
         "no heartbeat progress for a long time: a hang (a collective waiting on a dead or stuck rank), a very "
         "slow checkpoint or a stuck input pipeline",
         "the supervisor dumps the Python stacks, kills and restarts the worker from the last checkpoint when "
-        "the phase timeout passes; the same step failing again and again stops the run as a crash loop"),
+        "the phase timeout passes; the same step failing again and again stops the run as a crash loop",
+    ),
 }
 
 # events.jsonl entries drawn as markers on the dashboard (restart from the supervisor, the rest from the
 # spike runbook), keyed to their marker name.
-MARKERS = {"restart": "restart", "hang_detected": "hang", "spike_detected": "spike", "rewind": "rewind",
-           "skip": "skip", "soften": "soften", "runbook_gave_up": "runbook_gave_up"}
+MARKERS = {
+    "restart": "restart",
+    "hang_detected": "hang",
+    "spike_detected": "spike",
+    "rewind": "rewind",
+    "skip": "skip",
+    "soften": "soften",
+    "runbook_gave_up": "runbook_gave_up",
+}
 
 
 class Alerter:
@@ -58,8 +68,9 @@ class Alerter:
         self.open[kind] = step
         self.events.write("alert", step=step, kind=kind, detail=detail, meaning=meaning, runbook=runbook, **fields)
         self.scalars.add(step, {f"alerts/{kind}": 1.0, "alerts/open": len(self.open)})
-        self.scalars.text("alerts", f"**{kind}** at step {step}: {detail}\n\n*Likely:* {meaning}.\n\n"
-                                    f"*Runbook:* {runbook}.", step)
+        self.scalars.text(
+            "alerts", f"**{kind}** at step {step}: {detail}\n\n*Likely:* {meaning}.\n\n*Runbook:* {runbook}.", step
+        )
 
     def clear(self, step: int, kind: str, detail: str) -> None:
         if self.open.pop(kind, None) is None:
@@ -84,11 +95,15 @@ class GradNormTrend:
         if len(self._hist) < 2 * self.window:
             return
         h = list(self._hist)
-        before, recent = statistics.median(h[: self.window]), statistics.median(h[self.window:])
+        before, recent = statistics.median(h[: self.window]), statistics.median(h[self.window :])
         ratio = recent / max(before, 1e-12)
         if ratio > self.rise and "grad_norm_rising" not in self.alerter.open:
-            self.alerter.fire(step, "grad_norm_rising", f"median grad norm {before:.3g} -> {recent:.3g} "
-                              f"(x{ratio:.2f}) over the last {2 * self.window} steps", ratio=ratio)
+            self.alerter.fire(
+                step,
+                "grad_norm_rising",
+                f"median grad norm {before:.3g} -> {recent:.3g} (x{ratio:.2f}) over the last {2 * self.window} steps",
+                ratio=ratio,
+            )
         elif ratio < (1 + self.rise) / 2:  # hysteresis: no flapping around the threshold
             self.alerter.clear(step, "grad_norm_rising", f"grad norm trend back to x{ratio:.2f}")
 
@@ -120,9 +135,14 @@ class ThroughputDrop:
         if len(self._base) >= max(self._base.maxlen // 2, self.sustain) and len(self._recent) == self.sustain:
             base, now = statistics.median(self._base), statistics.median(self._recent)
             if not is_open and now < self.drop * base:
-                self.alerter.fire(step, "throughput_drop", f"median tokens/s of the last {self.sustain} steps "
-                                  f"{now:,.0f} = {now / base:.0%} of the recent median {base:,.0f}",
-                                  tokens_per_s=now, baseline=base)
+                self.alerter.fire(
+                    step,
+                    "throughput_drop",
+                    f"median tokens/s of the last {self.sustain} steps "
+                    f"{now:,.0f} = {now / base:.0%} of the recent median {base:,.0f}",
+                    tokens_per_s=now,
+                    baseline=base,
+                )
                 is_open = True
             elif is_open and now >= (1 + self.drop) / 2 * base:
                 self.alerter.clear(step, "throughput_drop", f"tokens/s back to {now / base:.0%} of baseline")
@@ -149,10 +169,12 @@ class HealthMonitor:
             return None
         if step % self.every_steps == 0 and snap is not self._written:  # each sample once: 8 GPUs x 10 readings
             self._written = snap
-            self.alerter.scalars.add(step, {f"health/{dev}/{k}": v for dev, r in snap["devices"].items()
-                                            for k, v in r.items()})
-            self.alerter.events.write("health", step=step, devices=snap["devices"], errors=snap["errors"],
-                                      sampled_at=snap["time"])
+            self.alerter.scalars.add(
+                step, {f"health/{dev}/{k}": v for dev, r in snap["devices"].items() for k, v in r.items()}
+            )
+            self.alerter.events.write(
+                "health", step=step, devices=snap["devices"], errors=snap["errors"], sampled_at=snap["time"]
+            )
         if snap is self._seen:
             return None
         self._seen = snap
@@ -167,8 +189,9 @@ class HealthMonitor:
         if not rising or "ecc_rising" in self.alerter.open:
             return None
         detail = ", ".join(f"{d} +{n:.0f} (total {per_dev[d]:.0f})" for d, n in rising.items())
-        self.alerter.fire(step, "ecc_rising", f"ECC errors rising: {detail}", devices=sorted(rising),
-                          action="checkpoint_now")
+        self.alerter.fire(
+            step, "ecc_rising", f"ECC errors rising: {detail}", devices=sorted(rising), action="checkpoint_now"
+        )
         self.alerter.events.write("checkpoint_now", step=step, reason="ecc_rising", detail=detail)
         self.alerter.scalars.add(step, {"markers/checkpoint_now": 1.0})
         return {"do": "checkpoint_now", "reason": "ecc_rising"}
@@ -198,10 +221,15 @@ def build(cfg: Config, *, run_dir: Path, events, scalars, faults) -> list:
     if not cfg.log.health:
         return []
     sources, why = health.open_sources()
-    events.write("health_source", sources=[s.name for s in sources], every_s=cfg.log.health_every_s,
-                 **({"note": why} if why else {}))
-    collector = health.HealthCollector(every_s=cfg.log.health_every_s, sources=sources,
-                                       injected_ecc=faults.ecc_errors).start()
+    events.write(
+        "health_source",
+        sources=[s.name for s in sources],
+        every_s=cfg.log.health_every_s,
+        **({"note": why} if why else {}),
+    )
+    collector = health.HealthCollector(
+        every_s=cfg.log.health_every_s, sources=sources, injected_ecc=faults.ecc_errors
+    ).start()
     alerter = Alerter(events, scalars)
     ac = cfg.alerts
     return [

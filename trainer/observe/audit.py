@@ -25,14 +25,33 @@ class AuditLog:
     """Appends this process's consumption; one line per step, flushed, so a killed worker loses nothing
     it had already read."""
 
-    def __init__(self, run_dir: Path, *, process: int, processes: int, start: int, global_batch: int,
-                 epoch_windows: int, skips: list[int]):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        process: int,
+        processes: int,
+        start: int,
+        global_batch: int,
+        epoch_windows: int,
+        skips: list[int],
+    ):
         d = Path(run_dir) / "audit"
         d.mkdir(parents=True, exist_ok=True)
         self._fh = open(d / f"process-{process}.jsonl", "a", buffering=1)
-        self._write({"header": True, "time": time.time(), "attempt": int(os.environ.get("TRAINER_ATTEMPT", "0")),
-                     "process": process, "processes": processes, "start": start, "global_batch": global_batch,
-                     "epoch_windows": epoch_windows, "skips": sorted(skips)})
+        self._write(
+            {
+                "header": True,
+                "time": time.time(),
+                "attempt": int(os.environ.get("TRAINER_ATTEMPT", "0")),
+                "process": process,
+                "processes": processes,
+                "start": start,
+                "global_batch": global_batch,
+                "epoch_windows": epoch_windows,
+                "skips": sorted(skips),
+            }
+        )
 
     def _write(self, rec: dict) -> None:
         self._fh.write(json.dumps(rec) + "\n")
@@ -107,9 +126,11 @@ def _assemble(sessions: list[Session], rep: Report) -> dict[int, StepData]:
             seen = d.ids[rows] >= 0
             same = (d.ids[rows] == ids) & (d.windows[rows] == windows)
             for i in np.flatnonzero(seen & ~same):
-                rep.problem(f"step {k} row {rows[i]}: recomputed with sample {ids[i]} (window {windows[i]}), "
-                            f"first read sample {d.ids[rows[i]]} (window {d.windows[rows[i]]}) - data order changed "
-                            f"on resume (process {h['process']} of {h['processes']}, session from step {h['start']})")
+                rep.problem(
+                    f"step {k} row {rows[i]}: recomputed with sample {ids[i]} (window {windows[i]}), "
+                    f"first read sample {d.ids[rows[i]]} (window {d.windows[rows[i]]}) - data order changed "
+                    f"on resume (process {h['process']} of {h['processes']}, session from step {h['start']})"
+                )
             rep.rechecked_rows += int(np.sum(seen & same))
             d.ids[rows], d.windows[rows], d.owner[rows] = ids, windows, h["process"]
     return steps
@@ -128,12 +149,14 @@ def _check_steps(steps: dict[int, StepData], rep: Report) -> None:
         vals, counts = np.unique(d.ids[d.ids >= 0], return_counts=True)
         for g in vals[counts > 1]:
             who = sorted(set(d.owner[d.ids == g].tolist()))
-            rep.problem(f"step {k}: sample {g} read more than once in one global batch, by processes {who}"
-                        f" (overlapping shards)")
+            rep.problem(
+                f"step {k}: sample {g} read more than once in one global batch, by processes {who} (overlapping shards)"
+            )
 
 
-def _check_epochs(steps: dict[int, StepData], skips: list[int], batch: int, epoch_windows: int,
-                  rep: Report) -> dict[int, int]:
+def _check_epochs(
+    steps: dict[int, StepData], skips: list[int], batch: int, epoch_windows: int, rep: Report
+) -> dict[int, int]:
     """Each sample once, each window once per epoch, and every batch either consumed or skipped."""
     where: dict[int, int] = {}
     seen_window: dict[tuple[int, int], int] = {}
@@ -151,8 +174,10 @@ def _check_epochs(steps: dict[int, StepData], skips: list[int], batch: int, epoc
             seen_window[key] = g
     consumed = {g // batch for g in where}
     for b in sorted(set(range(max(consumed) + 1)) - consumed - set(skips)):
-        rep.problem(f"data batch {b} (samples {b * batch}..{b * batch + batch - 1}) was never consumed"
-                    f" and is not on the skip list")
+        rep.problem(
+            f"data batch {b} (samples {b * batch}..{b * batch + batch - 1}) was never consumed"
+            f" and is not on the skip list"
+        )
     for b in sorted(consumed & set(skips)):
         rep.problem(f"data batch {b} is on the skip list but was consumed")
     per_epoch: dict[int, int] = {}
@@ -177,8 +202,10 @@ def _compare(steps: dict[int, StepData], other_dir: Path, rep: Report) -> int:
     common = sorted(set(steps) & set(other))
     for k in common:
         if not (np.array_equal(steps[k].ids, other[k].ids) and np.array_equal(steps[k].windows, other[k].windows)):
-            rep.problem(f"step {k}: global batch differs from {other_dir} (ids {steps[k].ids[:4].tolist()}... vs "
-                        f"{other[k].ids[:4].tolist()}...)")
+            rep.problem(
+                f"step {k}: global batch differs from {other_dir} (ids {steps[k].ids[:4].tolist()}... vs "
+                f"{other[k].ids[:4].tolist()}...)"
+            )
     return len(common)
 
 
@@ -195,10 +222,18 @@ def check(run_dir: Path, compare: Path | None = None) -> tuple[Report, dict]:
     _check_steps(steps, rep)
     skips = sessions[-1].header["skips"]
     per_epoch = _check_epochs(steps, skips, h0["global_batch"], h0["epoch_windows"], rep)
-    stats = {"steps": len(steps), "last_step": max(steps), "global_batch": h0["global_batch"],
-             "samples": sum(per_epoch.values()), "epoch_windows": h0["epoch_windows"], "per_epoch": per_epoch,
-             "skips": skips, "sessions": rep.sessions, "process_counts": sorted(rep.process_counts),
-             "rechecked_rows": rep.rechecked_rows}
+    stats = {
+        "steps": len(steps),
+        "last_step": max(steps),
+        "global_batch": h0["global_batch"],
+        "samples": sum(per_epoch.values()),
+        "epoch_windows": h0["epoch_windows"],
+        "per_epoch": per_epoch,
+        "skips": skips,
+        "sessions": rep.sessions,
+        "process_counts": sorted(rep.process_counts),
+        "rechecked_rows": rep.rechecked_rows,
+    }
     if compare is not None:
         stats["compared_steps"] = _compare(steps, compare, rep)
     return rep, stats
@@ -208,8 +243,10 @@ def _print(run_dir: Path, rep: Report, st: dict) -> None:
     epochs = ", ".join(f"epoch {e}: {n} of {st['epoch_windows']} windows" for e, n in sorted(st["per_epoch"].items()))
     print(f"audit {'FAILED' if rep.problems else 'ok'}: {run_dir}")
     print(f"  steps 0..{st['last_step']}, global batch {st['global_batch']}, {st['samples']} samples ({epochs})")
-    print(f"  {st['sessions']} worker sessions; process counts {st['process_counts']}; "
-          f"{st['rechecked_rows']} recomputed rows matched their first reading")
+    print(
+        f"  {st['sessions']} worker sessions; process counts {st['process_counts']}; "
+        f"{st['rechecked_rows']} recomputed rows matched their first reading"
+    )
     print(f"  skipped batches: {st['skips'] or 'none'}")
     if "compared_steps" in st:
         print(f"  compared with another run's order at {st['compared_steps']} steps")
@@ -223,8 +260,12 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer audit", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", help="a run dir trained with data.audit=true")
     p.add_argument("--json", action="store_true", help="print the stats and problems as JSON")
-    p.add_argument("--compare", metavar="OTHER_RUN", help="also require the same global batch at every step as "
-                   "this run (e.g. a resume on another process count vs an uninterrupted run)")
+    p.add_argument(
+        "--compare",
+        metavar="OTHER_RUN",
+        help="also require the same global batch at every step as "
+        "this run (e.g. a resume on another process count vs an uninterrupted run)",
+    )
     args = p.parse_args(argv)
     try:
         rep, st = check(Path(args.run_dir), Path(args.compare) if args.compare else None)

@@ -63,8 +63,9 @@ def entries(run_dir: Path, *, verify: bool) -> list[Entry]:
                 elif verify:
                     detail = f"ok: {n} files match"
             newest = max((p.stat().st_mtime for p in files), default=step_dir.stat().st_mtime)
-            out.append(Entry(step, tier, str(step_dir), sum(p.stat().st_size for p in files), time.time() - newest,
-                             ok, detail))
+            out.append(
+                Entry(step, tier, str(step_dir), sum(p.stat().st_size for p in files), time.time() - newest, ok, detail)
+            )
     return out
 
 

@@ -59,8 +59,12 @@ class EventLog:
             if e.errno not in NO_SPACE:
                 raise
             if not self._dropped:
-                print(f"warning: {self._path}: no space left on the device; events are dropped until there is "
-                      f"(training and checkpoints carry on)", file=sys.stderr, flush=True)
+                print(
+                    f"warning: {self._path}: no space left on the device; events are dropped until there is "
+                    f"(training and checkpoints carry on)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             self._dropped += 1
 
     def open(self) -> None:

@@ -93,4 +93,3 @@ def to_tensorboard(logdir: Path, led: dict, restarts: int, step: int) -> None:
     w.add(step, {f"goodput/{k}_s": v for k, v in led["goodput"]["seconds"].items()})
     w.add(step, {"goodput/restarts": restarts})
     w.close()
-

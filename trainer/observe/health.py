@@ -27,12 +27,14 @@ class HostSource:
 
     def read(self) -> dict[str, dict[str, float]]:
         vm = psutil.virtual_memory()
-        return {"host": {
-            "mem_used_gb": (vm.total - vm.available) / GB,
-            "mem_percent": vm.percent,
-            "cpu_percent": psutil.cpu_percent(interval=None),
-            "rss_gb": self._proc.memory_info().rss / GB,
-        }}
+        return {
+            "host": {
+                "mem_used_gb": (vm.total - vm.available) / GB,
+                "mem_percent": vm.percent,
+                "cpu_percent": psutil.cpu_percent(interval=None),
+                "rss_gb": self._proc.memory_info().rss / GB,
+            }
+        }
 
     def close(self) -> None:
         pass
@@ -58,9 +60,12 @@ class NvmlSource:
         self._events = self._register_xid()
         nv = pynvml
         # Reasons that mean the chip is being slowed against our will (not idle, not app clocks).
-        self._bad_throttle = (nv.nvmlClocksThrottleReasonHwSlowdown | nv.nvmlClocksThrottleReasonSwThermalSlowdown
-                              | nv.nvmlClocksThrottleReasonHwThermalSlowdown
-                              | nv.nvmlClocksThrottleReasonHwPowerBrakeSlowdown)
+        self._bad_throttle = (
+            nv.nvmlClocksThrottleReasonHwSlowdown
+            | nv.nvmlClocksThrottleReasonSwThermalSlowdown
+            | nv.nvmlClocksThrottleReasonHwThermalSlowdown
+            | nv.nvmlClocksThrottleReasonHwPowerBrakeSlowdown
+        )
 
     def _register_xid(self):
         nv = self._nv
@@ -94,9 +99,11 @@ class NvmlSource:
             "mem_used_gb": lambda: nv.nvmlDeviceGetMemoryInfo(h).used / GB,
             "util_percent": lambda: nv.nvmlDeviceGetUtilizationRates(h).gpu,
             "ecc_corrected": lambda: nv.nvmlDeviceGetTotalEccErrors(
-                h, nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_VOLATILE_ECC),
+                h, nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_VOLATILE_ECC
+            ),
             "ecc_uncorrected": lambda: nv.nvmlDeviceGetTotalEccErrors(
-                h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC),
+                h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC
+            ),
             "throttle_reasons": lambda: nv.nvmlDeviceGetCurrentClocksThrottleReasons(h),
         }
         for key, probe in probes.items():

@@ -26,8 +26,18 @@ _PER_PROCESS = re.compile(r"(?:^|/)(?:ocdbt\.)?process_(\d+)(?:/|$)")
 _CHUNK = 8 << 20
 # Errors a retry may cure: a flaky network filesystem, an overloaded server. Anything else (a missing
 # file, a checksum mismatch, a torn item) is the checkpoint's own fault.
-_TRANSIENT_ERRNOS = {errno.EIO, errno.ETIMEDOUT, errno.EAGAIN, errno.EINTR, errno.ESTALE, errno.EBUSY,
-                     errno.ENETDOWN, errno.ENETUNREACH, errno.ECONNRESET, errno.ECONNABORTED}
+_TRANSIENT_ERRNOS = {
+    errno.EIO,
+    errno.ETIMEDOUT,
+    errno.EAGAIN,
+    errno.EINTR,
+    errno.ESTALE,
+    errno.EBUSY,
+    errno.ENETDOWN,
+    errno.ENETUNREACH,
+    errno.ECONNRESET,
+    errno.ECONNABORTED,
+}
 _TRANSIENT_WORDS = ("DEADLINE_EXCEEDED", "UNAVAILABLE", "timed out", "Timed out")
 RETRIES, RETRY_WAIT_S = 3, 1.0  # a possibly transient read error is retried 3 times, after 1, 2 and 4 s
 T = TypeVar("T")
@@ -68,8 +78,10 @@ def sha256_file(path: Path) -> str:
 def write(step_dir: Path, *, process: int, processes: int, durable: bool) -> dict:
     """Checksum what this process committed and record it, atomically, inside the checkpoint."""
     step_dir = Path(step_dir)
-    files = {rel: {"bytes": (step_dir / rel).stat().st_size, "sha256": sha256_file(step_dir / rel)}
-             for rel in committed_files(step_dir, process, processes)}
+    files = {
+        rel: {"bytes": (step_dir / rel).stat().st_size, "sha256": sha256_file(step_dir / rel)}
+        for rel in committed_files(step_dir, process, processes)
+    }
     rec = {"version": 1, "process": process, "processes": processes, "time": time.time(), "files": files}
     (step_dir / DIR).mkdir(exist_ok=True)
     atomic_write(manifest_path(step_dir, process), json.dumps(rec), durable=durable)
@@ -90,8 +102,11 @@ def read(step_dir: Path) -> tuple[dict[int, dict], list[Problem]]:
     if not paths:
         return found, [Problem("", "unverified: no content manifest (the save did not finish sealing)")]
     expected = max((int(r.get("processes", 1)) for r in found.values()), default=1)
-    problems += [Problem(f"{DIR}/process_{i}.json", f"unverified: manifest of process {i} missing")
-                 for i in range(expected) if i not in found and not any(f"process_{i}." in q.file for q in problems)]
+    problems += [
+        Problem(f"{DIR}/process_{i}.json", f"unverified: manifest of process {i} missing")
+        for i in range(expected)
+        if i not in found and not any(f"process_{i}." in q.file for q in problems)
+    ]
     return found, problems
 
 
@@ -112,8 +127,13 @@ def is_transient(e: BaseException) -> bool:
     return False
 
 
-def retrying(fn: Callable[[], T], *, retries: int = RETRIES, wait_s: float = RETRY_WAIT_S,
-             on_retry: Callable[[int, BaseException], None] | None = None) -> T:
+def retrying(
+    fn: Callable[[], T],
+    *,
+    retries: int = RETRIES,
+    wait_s: float = RETRY_WAIT_S,
+    on_retry: Callable[[int, BaseException], None] | None = None,
+) -> T:
     """fn(), retried `retries` times with doubling waits when it fails with a possibly transient error."""
     for attempt in range(retries + 1):
         try:
@@ -140,9 +160,14 @@ def _check(step_dir: Path, rel: str, want: dict) -> Problem | None:
     return None
 
 
-def verify(step_dir: Path, *, share: tuple[int, int] | None = None, retries: int = RETRIES,
-           wait_s: float = RETRY_WAIT_S, on_retry: Callable[[int, BaseException], None] | None = None
-           ) -> Problem | None:
+def verify(
+    step_dir: Path,
+    *,
+    share: tuple[int, int] | None = None,
+    retries: int = RETRIES,
+    wait_s: float = RETRY_WAIT_S,
+    on_retry: Callable[[int, BaseException], None] | None = None,
+) -> Problem | None:
     """Re-read the files of the manifests and compare; the first problem found. `share` = (i, n): only the
     manifests m with m % n == i (n processes split the work). A possibly transient read error is retried
     before it counts against the checkpoint."""
@@ -154,8 +179,12 @@ def verify(step_dir: Path, *, share: tuple[int, int] | None = None, retries: int
             continue
         for rel, want in manifests[p]["files"].items():
             try:
-                problem = retrying(lambda rel=rel, want=want: _check(step_dir, rel, want), retries=retries,
-                                   wait_s=wait_s, on_retry=on_retry)
+                problem = retrying(
+                    lambda rel=rel, want=want: _check(step_dir, rel, want),
+                    retries=retries,
+                    wait_s=wait_s,
+                    on_retry=on_retry,
+                )
             except OSError as e:
                 problem = Problem(rel, f"unreadable after {retries} retries: {e}")
             if problem:

@@ -28,21 +28,30 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
         return []
 
 
-def begin_line(run_dir: Path, start: int, *, steps: int, n_params: int, mesh: dict[str, int],
-               tier: str | None = None, init_from: dict | None = None) -> str:
+def begin_line(
+    run_dir: Path,
+    start: int,
+    *,
+    steps: int,
+    n_params: int,
+    mesh: dict[str, int],
+    tier: str | None = None,
+    init_from: dict | None = None,
+) -> str:
     """The first line of an attempt: a fresh start (from another run's params with train.init_from), or the
     checkpoint it resumed from."""
     if start:
         where = "the node-local tier" if tier == "local" else Path(run_dir) / rundir.CHECKPOINTS / str(start)
-        return f"resumed from step {start} of checkpoint {where}; " \
-               f"training to step {steps}"
+        return f"resumed from step {start} of checkpoint {where}; training to step {steps}"
     devices = 1
     for v in mesh.values():
         devices *= v
     shape = " x ".join(f"{k} {v}" for k, v in mesh.items())
     source = f", params from {init_from['checkpoint']} (train.init_from)" if init_from else ""
-    return f"fresh start: {steps} steps of a {n_params / 1e6:.3g}M-param model on {devices} devices ({shape}) " \
-           f"into {run_dir}{source}"
+    return (
+        f"fresh start: {steps} steps of a {n_params / 1e6:.3g}M-param model on {devices} devices ({shape}) "
+        f"into {run_dir}{source}"
+    )
 
 
 def complete_line(run_dir: Path, step: int) -> str:
@@ -59,8 +68,10 @@ def complete_line(run_dir: Path, step: int) -> str:
 
 def stopped_line(run_dir: Path, step: int) -> str:
     where = Path(run_dir) / rundir.CHECKPOINTS / str(step)
-    return f"stopped at step {step} (train.stop_at_step): checkpoint {where}; raise train.stop_at_step, or set it " \
-           f"to 0, and re-run to continue"
+    return (
+        f"stopped at step {step} (train.stop_at_step): checkpoint {where}; raise train.stop_at_step, or set it "
+        f"to 0, and re-run to continue"
+    )
 
 
 def worker_end(run_dir: Path) -> dict | None:
@@ -116,18 +127,30 @@ def _rebuild_summary(run_dir: Path, step: int, old: dict) -> str | None:
     """summary.json is missing, damaged or older than the final checkpoint: rebuild it from events.jsonl,
     where the worker logged the same figures (run_complete) and the ledger's inputs. None when the worker
     never finished (killed after its final save): it then runs again and finishes."""
-    done = next((e for e in events_newest_first(run_dir / rundir.EVENTS) if e.get("event") == "run_complete"
-                 and "by" not in e and e.get("step") == step and "params_sha256" in e), None)
+    done = next(
+        (
+            e
+            for e in events_newest_first(run_dir / rundir.EVENTS)
+            if e.get("event") == "run_complete" and "by" not in e and e.get("step") == step and "params_sha256" in e
+        ),
+        None,
+    )
     if done is None:
         return None
     events = read_events(run_dir / rundir.EVENTS)
     led = goodput.ledger(events, events[0]["time"], events[-1]["time"])
     init = next((e for e in reversed(events) if e["event"] == "init" and "n_params" in e), {})
     summary = {k: v for k, v in old.items() if k == "data_fingerprint"}
-    summary.update(final_step=step, final_loss=done.get("final_loss"), params_sha256=done["params_sha256"],
-                   **({"n_params": init["n_params"]} if init else {}), goodput=led["goodput"],
-                   restarts=sum(e["event"] == "restart" for e in events), recoveries_s=led["recoveries_s"],
-                   wall_s=led["wall_s"])
+    summary.update(
+        final_step=step,
+        final_loss=done.get("final_loss"),
+        params_sha256=done["params_sha256"],
+        **({"n_params": init["n_params"]} if init else {}),
+        goodput=led["goodput"],
+        restarts=sum(e["event"] == "restart" for e in events),
+        recoveries_s=led["recoveries_s"],
+        wall_s=led["wall_s"],
+    )
     try:
         rundir.write_json(run_dir / rundir.SUMMARY, summary)
     except OSError as e:

@@ -70,12 +70,20 @@ def _where(path: Path, step: int | None) -> tuple[Path | None, int | None]:
         return run, int(path.name)
     if (path / rundir.CHECKPOINTS).is_dir():
         return path, step
-    raise ConfigError(f"{path} is neither a run dir (with a {rundir.CHECKPOINTS}/ directory) nor a checkpoint "
-                      f"(RUN_DIR/{rundir.CHECKPOINTS}/STEP); pass one of those")
+    raise ConfigError(
+        f"{path} is neither a run dir (with a {rundir.CHECKPOINTS}/ directory) nor a checkpoint "
+        f"(RUN_DIR/{rundir.CHECKPOINTS}/STEP); pass one of those"
+    )
 
 
-def pick(path: str | Path, step: int | None = None, *, agree: Agree = _alone,
-         share: tuple[int, int] | None = None, name_it: str = "--step") -> Picked:
+def pick(
+    path: str | Path,
+    step: int | None = None,
+    *,
+    agree: Agree = _alone,
+    share: tuple[int, int] | None = None,
+    name_it: str = "--step",
+) -> Picked:
     """The checkpoint to read (ConfigError naming the fix when there is none). `share`/`agree`: processes of a
     group verify a part each and agree on the verdict. `name_it`: how the caller's user names a checkpoint."""
     path = Path(path).expanduser()
@@ -89,8 +97,10 @@ def pick(path: str | Path, step: int | None = None, *, agree: Agree = _alone,
     pid = live_pid(run) if run else None
     if pid and named is None:
         sealed = [s for s in have if manifest.sealed(ckpts / str(s))]
-        raise ConfigError(f"{run} is still training (pid {pid}): its newest checkpoint may still be written; "
-                          f"name a sealed one ({name_it}): {_listing(sealed)}")
+        raise ConfigError(
+            f"{run} is still training (pid {pid}): its newest checkpoint may still be written; "
+            f"name a sealed one ({name_it}): {_listing(sealed)}"
+        )
     with_manifests = _saved_with_manifests(run) if run else (path / manifest.DIR).is_dir()
     notes: list[str] = []
     for s in [named] if named is not None else sorted(have, reverse=True):
@@ -105,8 +115,10 @@ def pick(path: str | Path, step: int | None = None, *, agree: Agree = _alone,
             other = f"name another ({name_it}): {_listing(have)}" if run else "use another one"
             raise ConfigError(f"checkpoint {step_dir} does not verify: {why}; {other}")
         notes.append(f"step {s} skipped: {why}")
-    raise ConfigError(f"no checkpoint of {run} verifies ({'; '.join(notes) or 'it has none'}); "
-                      f"`python -m trainer checkpoints {run} --verify` lists them")
+    raise ConfigError(
+        f"no checkpoint of {run} verifies ({'; '.join(notes) or 'it has none'}); "
+        f"`python -m trainer checkpoints {run} --verify` lists them"
+    )
 
 
 def _listing(have: list[int]) -> str:

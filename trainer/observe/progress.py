@@ -22,8 +22,10 @@ class Progress:
             return
         eta = max(self._total - step, 0) * sec_per_step
         bar_n = int(20 * step / self._total)
-        line = (f"[{'#' * bar_n}{'.' * (20 - bar_n)}] step {step}/{self._total}  loss {loss:.4f}  "
-                f"{tokens_per_s:,.0f} tok/s  ETA {fmt_duration(eta)}")
+        line = (
+            f"[{'#' * bar_n}{'.' * (20 - bar_n)}] step {step}/{self._total}  loss {loss:.4f}  "
+            f"{tokens_per_s:,.0f} tok/s  ETA {fmt_duration(eta)}"
+        )
         print(("\r" + line) if self._tty else line, end="" if self._tty else "\n", file=sys.stderr, flush=True)
 
     def done(self) -> None:

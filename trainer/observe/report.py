@@ -17,14 +17,24 @@ from trainer.observe.alerts import ALERTS
 
 # event -> (label, colour, line style) of the vertical markers drawn on the series plots
 MARKER_STYLE = {
-    "restart": ("restart", "tab:red", "--"), "hang_detected": ("hang", "darkred", ":"),
-    "spike_detected": ("spike", "magenta", "-."), "rewind": ("rewind", "tab:purple", "--"),
-    "skip": ("skip", "tab:orange", ":"), "soften": ("soften", "tab:brown", "-."),
+    "restart": ("restart", "tab:red", "--"),
+    "hang_detected": ("hang", "darkred", ":"),
+    "spike_detected": ("spike", "magenta", "-."),
+    "rewind": ("rewind", "tab:purple", "--"),
+    "skip": ("skip", "tab:orange", ":"),
+    "soften": ("soften", "tab:brown", "-."),
     "runbook_gave_up": ("runbook gave up", "black", "-"),
-    "checkpoint_now": ("checkpoint now", "black", ":"), "restore": ("resumed from checkpoint", "tab:green", ":"),
+    "checkpoint_now": ("checkpoint now", "black", ":"),
+    "restore": ("resumed from checkpoint", "tab:green", ":"),
 }
-GOODPUT_COLOURS = {"productive": "tab:green", "recompute": "tab:orange", "checkpoint": "tab:blue",
-                   "startup": "tab:gray", "shutdown": "silver", "restart": "tab:red"}
+GOODPUT_COLOURS = {
+    "productive": "tab:green",
+    "recompute": "tab:orange",
+    "checkpoint": "tab:blue",
+    "startup": "tab:gray",
+    "shutdown": "silver",
+    "restart": "tab:red",
+}
 
 
 def _attempts(events: list[dict]) -> list[list[dict]]:
@@ -57,8 +67,15 @@ def _series(ax, attempts: list[list[dict]], key: str, *, label: str, colour: str
         pts = [(r["step"], r[key]) for r in recs if r.get(key) is not None and (r[key] > 0 or not log)]
         if pts:
             xs, ys = zip(*pts)
-            ax.plot(xs, ys, color=colour, lw=1.3, alpha=1.0 if i == len(attempts) - 1 else 0.55,
-                    label=label if drawn == 0 else None, ls="-" if drawn == 0 else "--")
+            ax.plot(
+                xs,
+                ys,
+                color=colour,
+                lw=1.3,
+                alpha=1.0 if i == len(attempts) - 1 else 0.55,
+                label=label if drawn == 0 else None,
+                ls="-" if drawn == 0 else "--",
+            )
             drawn += 1
     if log:
         ax.set_yscale("log")
@@ -84,10 +101,16 @@ def _alert_spans(ax, events: list[dict], kind: str, colour: str) -> None:
         last_step = e.get("step", last_step) if e["event"] == "step" else last_step
         if e["event"] == "alert" and e["kind"] == kind:
             start = e["step"]
-        elif start is not None and (e["event"] == "alert_cleared" and e["kind"] == kind
-                                    or e["event"] in status.ATTEMPT_START):
-            ax.axvspan(start, e.get("step") or last_step, color=colour, alpha=0.15,
-                       label=None if labelled else f"alert: {kind}")
+        elif start is not None and (
+            e["event"] == "alert_cleared" and e["kind"] == kind or e["event"] in status.ATTEMPT_START
+        ):
+            ax.axvspan(
+                start,
+                e.get("step") or last_step,
+                color=colour,
+                alpha=0.15,
+                label=None if labelled else f"alert: {kind}",
+            )
             start, labelled = None, True
     if start is not None:
         ax.axvspan(start, last_step, color=colour, alpha=0.15, label=None if labelled else f"alert: {kind} (open)")
@@ -98,8 +121,9 @@ def plot_loss(v: status.RunView, plt, out: Path) -> None:
     drawn = _series(ax, _attempts(v.events), "loss", label="train loss", colour="tab:blue")
     if evals := status.latest_evals(v.events):
         xs = sorted(evals)
-        ax.plot(xs, [evals[k]["loss"] for k in xs], "o-", color="tab:orange", lw=1.5, ms=4,
-                label="eval loss (held out)")
+        ax.plot(
+            xs, [evals[k]["loss"] for k in xs], "o-", color="tab:orange", lw=1.5, ms=4, label="eval loss (held out)"
+        )
     _markers(ax, v.events)
     ax.set_ylabel("loss")
     ax.set_title(f"Loss ({drawn} attempts; dashed = a later attempt's steps)" if drawn > 1 else "Loss")
@@ -155,7 +179,8 @@ def plot_goodput(led: dict, restarts: int, plt, out: Path, *, resumes: int = 0) 
     ax.set_yticks([])
     ax.set_xlabel("wall-clock seconds")
     what = f"{restarts} restart{'s' if restarts != 1 else ''}" + (
-        f", {resumes} resumed session{'s' if resumes != 1 else ''}" if resumes else "")
+        f", {resumes} resumed session{'s' if resumes != 1 else ''}" if resumes else ""
+    )
     ax.set_title(f"Goodput: where the {led['wall_s']:.0f}s went ({what})")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, fontsize=8, frameon=False)
     _save(fig, plt, out)
@@ -163,21 +188,36 @@ def plot_goodput(led: dict, restarts: int, plt, out: Path, *, resumes: int = 0) 
 
 def _markdown(v: status.RunView, led: dict, pngs: list[str]) -> str:
     alerts = [e for e in v.events if e["event"] == "alert"]
-    lines = ["# Run report", "", f"Run dir: `{v.run_dir}`", "", "```", status.render(v), "```", "",
-             "## Goodput", "", "| category | seconds | share |", "|---|---:|---:|"]
+    lines = [
+        "# Run report",
+        "",
+        f"Run dir: `{v.run_dir}`",
+        "",
+        "```",
+        status.render(v),
+        "```",
+        "",
+        "## Goodput",
+        "",
+        "| category | seconds | share |",
+        "|---|---:|---:|",
+    ]
     for k in goodput.CATEGORIES:
         lines.append(f"| {k} | {led['goodput']['seconds'][k]:.1f} | {led['goodput']['fractions'][k]:.1%} |")
     lines += ["", f"## Alerts ({len(alerts)})", ""]
     if alerts:
         lines += ["| step | alert | detail | runbook |", "|---:|---|---|---|"]
-        lines += [f"| {a.get('step')} | {a['kind']} | {a.get('detail', '')} | {ALERTS.get(a['kind'], ('', ''))[1]} |"
-                  for a in alerts]
+        lines += [
+            f"| {a.get('step')} | {a['kind']} | {a.get('detail', '')} | {ALERTS.get(a['kind'], ('', ''))[1]} |"
+            for a in alerts
+        ]
     else:
         lines.append("None.")
     events = [e for e in v.events if e["event"] in MARKER_STYLE]
     lines += ["", f"## Restarts, resumes and runbook actions ({len(events)})", ""]
-    lines += [f"- step {e.get('step')}: {MARKER_STYLE[e['event']][0]} {e.get('reason', '')}".rstrip()
-              for e in events] or ["None."]
+    lines += [
+        f"- step {e.get('step')}: {MARKER_STYLE[e['event']][0]} {e.get('reason', '')}".rstrip() for e in events
+    ] or ["None."]
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in pngs]
     return "\n".join(lines) + "\n"
 

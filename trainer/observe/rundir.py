@@ -27,8 +27,9 @@ def check_writable(run_dir: str | Path) -> None:
     """Refuse, as a ConfigError, a run.dir that cannot be created or written, before anything is written."""
     p = Path(run_dir)
     if p.exists() and not p.is_dir():
-        raise ConfigError(f"run.dir {p} is an existing file, not a directory; pick another run.dir "
-                          f"(--set run.dir=runs/NAME)")
+        raise ConfigError(
+            f"run.dir {p} is an existing file, not a directory; pick another run.dir (--set run.dir=runs/NAME)"
+        )
     base = p
     while not base.exists() and base != base.parent:
         base = base.parent
@@ -36,8 +37,10 @@ def check_writable(run_dir: str | Path) -> None:
         raise ConfigError(f"run.dir {p} cannot be created: {base} is a file, not a directory; pick another run.dir")
     if not os.access(base, os.W_OK | os.X_OK):
         what = f"run.dir {p} is" if base == p else f"run.dir {p} cannot be created: {base} is"
-        raise ConfigError(f"{what} not writable by this user; pick a run.dir you can write "
-                          f"(--set run.dir=runs/NAME) or fix its permissions")
+        raise ConfigError(
+            f"{what} not writable by this user; pick a run.dir you can write "
+            f"(--set run.dir=runs/NAME) or fix its permissions"
+        )
 
 
 def drop_empty_stacks(run_dir: Path, pids: list[int] | None = None) -> None:

@@ -29,8 +29,12 @@ class _Signal:
         mean = sum(self.hist) / n
         std = math.sqrt(sum((x - mean) ** 2 for x in self.hist) / n)
         # The relative floor keeps a near-constant window (tiny std) from turning noise into spikes.
-        return {"mean": mean, "std": std, "threshold": max(mean + self.sigma * std, mean * (1 + self.min_rise)),
-                "onset": max(mean + self.onset_sigma * std, mean * (1 + self.min_rise / 2))}
+        return {
+            "mean": mean,
+            "std": std,
+            "threshold": max(mean + self.sigma * std, mean * (1 + self.min_rise)),
+            "onset": max(mean + self.onset_sigma * std, mean * (1 + self.min_rise / 2)),
+        }
 
 
 @dataclasses.dataclass
@@ -54,12 +58,21 @@ class SpikeDetector:
     norm, which moves first, usually marks it.
     """
 
-    def __init__(self, cfg: RunbookConfig, *, log: Callable[..., None], batch_of: Callable[[int], int],
-                 stop_step: int, events_path: Path | None = None):
+    def __init__(
+        self,
+        cfg: RunbookConfig,
+        *,
+        log: Callable[..., None],
+        batch_of: Callable[[int], int],
+        stop_step: int,
+        events_path: Path | None = None,
+    ):
         self.cfg, self.log, self.batch_of, self.stop_step = cfg, log, batch_of, stop_step
         self.events_path = events_path
-        self.signals = [_Signal("loss", cfg.window, cfg.loss_sigma, cfg.loss_min_rise, cfg.onset_sigma),
-                        _Signal("grad_norm", cfg.window, cfg.grad_sigma, cfg.grad_min_rise, cfg.onset_sigma)]
+        self.signals = [
+            _Signal("loss", cfg.window, cfg.loss_sigma, cfg.loss_min_rise, cfg.onset_sigma),
+            _Signal("grad_norm", cfg.window, cfg.grad_sigma, cfg.grad_min_rise, cfg.onset_sigma),
+        ]
         self._onset: int | None = None  # first step of the current run of elevated steps
         self._grad_high = 0  # consecutive steps with the grad norm above its bar
         self._probe: _Probe | None = None
@@ -75,8 +88,9 @@ class SpikeDetector:
             return self._probe_step(step, rec)
         bad = [k for k in ("loss", "grad_norm", "update_norm") if k in rec and not math.isfinite(rec[k])]
         if bad:
-            return self._fire(step, {"signal": f"nonfinite_{bad[0]}", "value": rec[bad[0]], "threshold": None},
-                              bars={}, probe=False)
+            return self._fire(
+                step, {"signal": f"nonfinite_{bad[0]}", "value": rec[bad[0]], "threshold": None}, bars={}, probe=False
+            )
         bars = None
         if step >= self.cfg.warmup_steps and len(self.signals[0].hist) >= self.cfg.min_history:
             bars = self._bars()
@@ -141,8 +155,14 @@ class SpikeDetector:
 
 
 def _fields(signal: str, value: float, bars: dict) -> dict:
-    return {"signal": signal, "value": value, "threshold": bars["threshold"], "mean": bars["mean"],
-            "std": bars["std"], "sigma": (value - bars["mean"]) / bars["std"] if bars["std"] else math.inf}
+    return {
+        "signal": signal,
+        "value": value,
+        "threshold": bars["threshold"],
+        "mean": bars["mean"],
+        "std": bars["std"],
+        "sigma": (value - bars["mean"]) / bars["std"] if bars["std"] else math.inf,
+    }
 
 
 def recent_steps(path: Path, *, upto: int, n: int) -> list[dict]:

@@ -20,8 +20,14 @@ from trainer.observe.events import iter_events
 from trainer.observe.progress import fmt_duration
 from trainer.supervise import heartbeat
 
-TERMINAL = {"run_complete": "COMPLETE", "gave_up": "FAILED", "preempted": "PREEMPTED", "stopped": "STOPPED",
-            "spike_exit": "SPIKE EXIT", "runbook_gave_up": "FAILED (the spike runbook gave up)"}
+TERMINAL = {
+    "run_complete": "COMPLETE",
+    "gave_up": "FAILED",
+    "preempted": "PREEMPTED",
+    "stopped": "STOPPED",
+    "spike_exit": "SPIKE EXIT",
+    "runbook_gave_up": "FAILED (the spike runbook gave up)",
+}
 ATTEMPT_START = ("init", "restore")  # the worker writes one of these once per attempt
 
 
@@ -66,8 +72,15 @@ def load(run_dir: str | Path) -> RunView:
     events = list(iter_events(run_dir / rundir.EVENTS, torn))
     if torn:
         problems.append(f"{len(torn)} unreadable line(s) in events.jsonl left out (a write torn by a kill)")
-    return RunView(run_dir=run_dir, cfg=cfg, events=events, summary=summary or {}, now=time.time(),
-                   heartbeat=heartbeat.read(heartbeat.heartbeat_path(run_dir, 0)), problems=problems)
+    return RunView(
+        run_dir=run_dir,
+        cfg=cfg,
+        events=events,
+        summary=summary or {},
+        now=time.time(),
+        heartbeat=heartbeat.read(heartbeat.heartbeat_path(run_dir, 0)),
+        problems=problems,
+    )
 
 
 def num(v) -> float:
@@ -157,23 +170,29 @@ def _loss_lines(v: RunView, steps: dict[int, dict]) -> list[str]:
     if not order:
         return ["loss      (no step finished yet)"]
     last, n = order[-1], 25
-    recent, before = order[-n:], order[-2 * n:-n]
+    recent, before = order[-n:], order[-2 * n : -n]
     trend = ""
     if before:
         a, b = statistics.fmean(num(r["loss"]) for r in before), statistics.fmean(num(r["loss"]) for r in recent)
         if math.isfinite(a) and math.isfinite(b):
-            trend = (f"   trend {'down' if b < a else 'UP'} {abs(b - a) / a:.1%} "
-                     f"(mean of last {len(recent)} vs the {len(before)} before)")
-    lines = [f"loss      {fmt_loss(last['loss'])}{trend}",
-             f"grad norm {num(last['grad_norm']):.3g} before clipping (median last {len(recent)}: "
-             f"{_median_of(recent, 'grad_norm'):.3g}; clip {v.cfg.optim.clip_norm:g})   update norm "
-             f"{num(last['update_norm']):.3g}   lr {num(last['lr']):.3g}"]
+            trend = (
+                f"   trend {'down' if b < a else 'UP'} {abs(b - a) / a:.1%} "
+                f"(mean of last {len(recent)} vs the {len(before)} before)"
+            )
+    lines = [
+        f"loss      {fmt_loss(last['loss'])}{trend}",
+        f"grad norm {num(last['grad_norm']):.3g} before clipping (median last {len(recent)}: "
+        f"{_median_of(recent, 'grad_norm'):.3g}; clip {v.cfg.optim.clip_norm:g})   update norm "
+        f"{num(last['update_norm']):.3g}   lr {num(last['lr']):.3g}",
+    ]
     recent10 = order[-10:]
     mfu = _median_of(recent10, "mfu")
     mfu_s = f"MFU {mfu:.1%}" if mfu == mfu else "MFU n/a (set log.peak_flops)"
-    lines.append(f"speed     {_median_of(recent10, 'tokens_per_s'):,.0f} tok/s   {mfu_s}   step "
-                 f"{_median_of(recent10, 'step_s'):.3f}s (data wait {_median_of(recent10, 'data_wait_s'):.3f}s) "
-                 f"[median of last {len(recent10)}]")
+    lines.append(
+        f"speed     {_median_of(recent10, 'tokens_per_s'):,.0f} tok/s   {mfu_s}   step "
+        f"{_median_of(recent10, 'step_s'):.3f}s (data wait {_median_of(recent10, 'data_wait_s'):.3f}s) "
+        f"[median of last {len(recent10)}]"
+    )
     return lines
 
 
@@ -213,8 +232,12 @@ def _progress_line(v: RunView, steps: dict[int, dict], live: bool) -> str:
 
 def _ops_lines(v: RunView, live: bool) -> list[str]:
     saves = [e for e in v.events if e["event"] == "checkpoint_saved"]
-    out = [f"ckpt      step {saves[-1]['step']} ({saves[-1].get('reason', '?')}), "
-           f"{fmt_duration(v.now - saves[-1]['time'])} ago; {len(saves)} saves" if saves else "ckpt      none yet"]
+    out = [
+        f"ckpt      step {saves[-1]['step']} ({saves[-1].get('reason', '?')}), "
+        f"{fmt_duration(v.now - saves[-1]['time'])} ago; {len(saves)} saves"
+        if saves
+        else "ckpt      none yet"
+    ]
     restarts = [e for e in v.events if e["event"] == "restart"]
     why = "; ".join(f"{e.get('reason', '?')} at step {e.get('step')}" for e in restarts[-3:])
     out.append(f"restarts  {len(restarts)}" + (f"  (last: {why})" if restarts else ""))
@@ -237,8 +260,12 @@ def _alert_lines(v: RunView, live: bool) -> list[str]:
         out.append(f"  ! step {a.get('step')} {a['kind']}: {a.get('detail', '')}")
         out.append(f"    runbook: {a.get('runbook', '')}")
     hb = v.heartbeat
-    if live and hb and v.now - hb["time"] > overdue_limit(v, hb["phase"]) and not any(
-            a["kind"] == "step_overdue" for a in alerts):
+    if (
+        live
+        and hb
+        and v.now - hb["time"] > overdue_limit(v, hb["phase"])
+        and not any(a["kind"] == "step_overdue" for a in alerts)
+    ):
         silent = fmt_duration(v.now - hb["time"])
         out.append(f"  ! step_overdue (from the heartbeat): phase {hb['phase']} silent {silent}")
     return out
@@ -250,11 +277,25 @@ def _health_line(v: RunView) -> str:
         return "health    no samples (log.health=false or not started)"
     parts = []
     for dev, r in last["devices"].items():
-        keys = ("temp_c", "power_w", "mem_used_gb", "util_percent", "mem_percent", "cpu_percent", "ecc_corrected",
-                "ecc_uncorrected", "ecc_injected", "xid_count", "throttled")
+        keys = (
+            "temp_c",
+            "power_w",
+            "mem_used_gb",
+            "util_percent",
+            "mem_percent",
+            "cpu_percent",
+            "ecc_corrected",
+            "ecc_uncorrected",
+            "ecc_injected",
+            "xid_count",
+            "throttled",
+        )
         parts.append(dev + " " + " ".join(f"{k}={r[k]:.3g}" for k in keys if k in r))
-    return f"health    (step {last.get('step')}) " + "; ".join(parts[:4]) + (f" (+{len(parts) - 4} more)"
-                                                                              if len(parts) > 4 else "")
+    return (
+        f"health    (step {last.get('step')}) "
+        + "; ".join(parts[:4])
+        + (f" (+{len(parts) - 4} more)" if len(parts) > 4 else "")
+    )
 
 
 def render(v: RunView) -> str:
@@ -263,8 +304,16 @@ def render(v: RunView) -> str:
     head = f"run {v.run_dir}   {state}"
     if "params_sha256" in v.summary and not live:
         head += f"   final loss {fmt_loss(v.summary.get('final_loss'))}"
-    lines = [head, _progress_line(v, steps, live), *_loss_lines(v, steps), *_eval_line(v), *_ops_lines(v, live),
-             *_alert_lines(v, live), _health_line(v), *(f"note      {p}" for p in v.problems)]
+    lines = [
+        head,
+        _progress_line(v, steps, live),
+        *_loss_lines(v, steps),
+        *_eval_line(v),
+        *_ops_lines(v, live),
+        *_alert_lines(v, live),
+        _health_line(v),
+        *(f"note      {p}" for p in v.problems),
+    ]
     return "\n".join(lines)
 
 

@@ -85,8 +85,12 @@ class _NoSpaceGuard:
             if e.errno not in NO_SPACE:
                 raise
             if not self._warned:
-                print(f"warning: {self._logdir}: no space left on the device; TensorBoard records are dropped "
-                      f"until there is (training and checkpoints carry on)", file=sys.stderr, flush=True)
+                print(
+                    f"warning: {self._logdir}: no space left on the device; TensorBoard records are dropped "
+                    f"until there is (training and checkpoints carry on)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 self._warned = True
 
     def write_event(self, event):

@@ -11,6 +11,15 @@ RUNBOOK_GAVE_UP = 79  # the spike runbook spent its budget of actions
 REPLICA_MISMATCH = 80  # worker -> supervisor: data-parallel replicas diverged (silent data corruption); rewind
 STORAGE = 81  # a checkpoint could not be written (disk full, write error): earlier ones are intact
 
-NAMES = {OK: "ok", CONFIG: "config error", LOCKED: "run dir locked", PREEMPTED: "preempted",
-         CRASH_LOOP: "crash loop", RESTART_BUDGET: "restart budget spent", SPIKE: "loss spike",
-         RUNBOOK_GAVE_UP: "runbook gave up", REPLICA_MISMATCH: "replica mismatch", STORAGE: "checkpoint storage failed"}
+NAMES = {
+    OK: "ok",
+    CONFIG: "config error",
+    LOCKED: "run dir locked",
+    PREEMPTED: "preempted",
+    CRASH_LOOP: "crash loop",
+    RESTART_BUDGET: "restart budget spent",
+    SPIKE: "loss spike",
+    RUNBOOK_GAVE_UP: "runbook gave up",
+    REPLICA_MISMATCH: "replica mismatch",
+    STORAGE: "checkpoint storage failed",
+}

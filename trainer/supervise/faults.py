@@ -15,14 +15,15 @@ from pathlib import Path
 from trainer.config import Fault
 from trainer.observe.rundir import write_json
 
-KINDS = ("crash", "hang", "crash_mid_save", "slow", "slow_save", "signal", "ecc", "nan", "spike", "bitflip",
-         "startup")
+KINDS = ("crash", "hang", "crash_mid_save", "slow", "slow_save", "signal", "ecc", "nan", "spike", "bitflip", "startup")
 # Where hang and slow faults fire: a step (the default), or the worker's other heartbeat phases.
 FAULT_PHASES = ("step", "startup", "restore", "compile", "checkpoint")
 
 
 class InjectedStartupError(RuntimeError):
     """The `startup` fault: an exception while a worker starts, as a corrupt input or a race would raise."""
+
+
 CRASH_EXIT = 13
 
 

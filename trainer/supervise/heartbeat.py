@@ -18,8 +18,13 @@ PHASES = ("startup", "restore", "compile", "step", "checkpoint", "done")
 
 def phase_timeout(sc: SupervisorConfig, phase: str) -> float:
     """How long a worker may stay silent in `phase` before it counts as hung."""
-    return {"startup": sc.startup_timeout_s, "compile": sc.startup_timeout_s, "restore": sc.restore_timeout_s,
-            "checkpoint": sc.checkpoint_timeout_s, "done": sc.checkpoint_timeout_s}.get(phase, sc.step_timeout_s)
+    return {
+        "startup": sc.startup_timeout_s,
+        "compile": sc.startup_timeout_s,
+        "restore": sc.restore_timeout_s,
+        "checkpoint": sc.checkpoint_timeout_s,
+        "done": sc.checkpoint_timeout_s,
+    }.get(phase, sc.step_timeout_s)
 
 
 def heartbeat_path(run_dir: Path, process: int) -> Path:
@@ -35,9 +40,18 @@ class Heartbeat:
     def beat(self, phase: str, step: int) -> None:
         # "launch" names the attempt (set by the supervisor), so a stale file from an old attempt never counts.
         try:
-            write_json(self.path, {"phase": phase, "step": step, "time": time.time(), "pid": os.getpid(),
-                                   "launch": os.environ.get("TRAINER_LAUNCH_ID", ""), "data": self.data},
-                       indent=None)
+            write_json(
+                self.path,
+                {
+                    "phase": phase,
+                    "step": step,
+                    "time": time.time(),
+                    "pid": os.getpid(),
+                    "launch": os.environ.get("TRAINER_LAUNCH_ID", ""),
+                    "data": self.data,
+                },
+                indent=None,
+            )
         except OSError as e:  # a full disk: the last beat stays; a real hang is still caught by its age
             if e.errno not in NO_SPACE:
                 raise
@@ -46,7 +60,10 @@ class Heartbeat:
 def read(path: Path) -> dict | None:
     """The heartbeat, or None when it is missing, torn or damaged: a reader treats it as not written yet."""
     hb = read_json(path)
-    if hb is None or hb.get("phase") not in PHASES or not all(
-            isinstance(hb.get(k), (int, float)) and not isinstance(hb.get(k), bool) for k in ("step", "time")):
+    if (
+        hb is None
+        or hb.get("phase") not in PHASES
+        or not all(isinstance(hb.get(k), (int, float)) and not isinstance(hb.get(k), bool) for k in ("step", "time"))
+    ):
         return None
     return hb

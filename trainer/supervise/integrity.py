@@ -21,7 +21,16 @@ def rewind(run_dir: Path, write_event: Callable[..., None], *, tag: int) -> str:
         return "replica mismatch reported without a replica_mismatch event: restarting from the newest checkpoint"
     target, moved = runbook.rewind(run_dir, e["last_good"] + 1, f"replica{tag}")
     odd = [d["device"] for d in e.get("devices", []) if d.get("odd")]
-    write_event("replica_rewind", step=e["step"], to=target, moved=moved, last_good=e["last_good"],
-                param=e.get("param"), devices=odd)
-    return (f"replicas of {e.get('param')} diverged at step {e['step']} (devices {odd}): silent data corruption; "
-            f"rewinding to the checkpoint at step {target}" + (f", set aside {moved}" if moved else ""))
+    write_event(
+        "replica_rewind",
+        step=e["step"],
+        to=target,
+        moved=moved,
+        last_good=e["last_good"],
+        param=e.get("param"),
+        devices=odd,
+    )
+    return (
+        f"replicas of {e.get('param')} diverged at step {e['step']} (devices {odd}): silent data corruption; "
+        f"rewinding to the checkpoint at step {target}" + (f", set aside {moved}" if moved else "")
+    )

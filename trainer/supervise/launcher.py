@@ -23,8 +23,14 @@ from trainer.supervise import exit_codes, membership
 
 PR_SET_PDEATHSIG = 1
 # Exits the worker chose (under SLURM: its node is not suspect); anything else means the group is broken.
-CONTROLLED = (exit_codes.OK, exit_codes.CONFIG, exit_codes.PREEMPTED, exit_codes.SPIKE, exit_codes.REPLICA_MISMATCH,
-              exit_codes.STORAGE)
+CONTROLLED = (
+    exit_codes.OK,
+    exit_codes.CONFIG,
+    exit_codes.PREEMPTED,
+    exit_codes.SPIKE,
+    exit_codes.REPLICA_MISMATCH,
+    exit_codes.STORAGE,
+)
 # Exits every process makes at the same step, so the peers follow by themselves (within exit_grace_s).
 # A CONFIG exit is not one: it may be one process's start-up failure while the others wait for it; nor is a
 # STORAGE exit: the process whose save failed leaves at once.
@@ -38,8 +44,14 @@ def die_with_parent() -> None:
 
 
 def _spawn(argv: list[str], env: Mapping[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(env),
-                            preexec_fn=die_with_parent, start_new_session=True)
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=dict(env),
+        preexec_fn=die_with_parent,
+        start_new_session=True,
+    )
 
 
 class _Merged:
@@ -115,10 +127,11 @@ class LocalGroup(Group):
         self._grace_s = grace_s
         base = dict(env, **{ENV_LAUNCH_ID: self.launch_id})
         if processes > 1:
-            base.update({membership.ENV_PROCESSES: str(processes),
-                         membership.ENV_COORDINATOR: f"127.0.0.1:{port}"})
-        self.procs = [_spawn(argv, dict(base, **({membership.ENV_PROCESS_ID: str(i)} if processes > 1 else {})))
-                      for i in range(processes)]
+            base.update({membership.ENV_PROCESSES: str(processes), membership.ENV_COORDINATOR: f"127.0.0.1:{port}"})
+        self.procs = [
+            _spawn(argv, dict(base, **({membership.ENV_PROCESS_ID: str(i)} if processes > 1 else {})))
+            for i in range(processes)
+        ]
         self.pid = self.procs[0].pid
         self.stdout = _Merged([p.stdout for p in self.procs], label=processes > 1)
         self._exits: list[tuple[int, int]] = []  # (process, code) in the order we saw them
@@ -164,8 +177,13 @@ class LocalGroup(Group):
 
 # `srun: error: node7: task 1: Killed` / `srun: error: node7: tasks 0-3: Exited with exit code 13`
 _TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? [\d,\-]+: (.+)$")
-_SIGNALS = {"Killed": -signal.SIGKILL, "Terminated": -signal.SIGTERM, "Segmentation fault": -signal.SIGSEGV,
-            "Aborted": -signal.SIGABRT, "Bus error": -signal.SIGBUS}
+_SIGNALS = {
+    "Killed": -signal.SIGKILL,
+    "Terminated": -signal.SIGTERM,
+    "Segmentation fault": -signal.SIGSEGV,
+    "Aborted": -signal.SIGABRT,
+    "Bus error": -signal.SIGBUS,
+}
 
 
 def task_error_code(status: str) -> int | None:
@@ -177,8 +195,9 @@ class SrunGroup(Group):
     """One srun step across the chosen nodes. `--kill-on-bad-exit` makes SLURM end the whole step
     when one task dies; srun's first task error names the node and the cause."""
 
-    def __init__(self, cmd: list[str], env: Mapping[str, str], *, processes: int, nodes: list[str],
-                 launch_id: str, job_id: str):
+    def __init__(
+        self, cmd: list[str], env: Mapping[str, str], *, processes: int, nodes: list[str], launch_id: str, job_id: str
+    ):
         self.processes, self.nodes, self.launch_id, self._job = processes, nodes, launch_id, job_id
         self.first_error: tuple[str, int] | None = None  # (node, code) of the first task that failed
         self._proc = _spawn(cmd, env)
@@ -207,8 +226,9 @@ class SrunGroup(Group):
 
     def _step_id(self) -> str:
         if not self._step:
-            out = subprocess.run(["squeue", "-h", "-s", "-j", self._job, "-o", "%i %j"], capture_output=True,
-                                 text=True, timeout=30).stdout
+            out = subprocess.run(
+                ["squeue", "-h", "-s", "-j", self._job, "-o", "%i %j"], capture_output=True, text=True, timeout=30
+            ).stdout
             self._step = next((ln.split()[0] for ln in out.splitlines() if ln.split()[1:] == [self.launch_id]), "")
         return self._step
 
@@ -216,8 +236,9 @@ class SrunGroup(Group):
         """Signals go to the step's tasks on every node: srun itself would turn SIGTERM into a kill."""
         step = self._step_id() if self._proc.poll() is None else ""
         if step:
-            subprocess.run(["scancel", f"--signal={signal.Signals(sig).name[3:]}", step], timeout=30,
-                           capture_output=True)
+            subprocess.run(
+                ["scancel", f"--signal={signal.Signals(sig).name[3:]}", step], timeout=30, capture_output=True
+            )
         if sig == signal.SIGKILL or not step:  # no step yet (srun still waiting for nodes): stop srun
             try:
                 os.killpg(self._proc.pid, sig)
@@ -234,8 +255,9 @@ class SrunGroup(Group):
         return None
 
 
-def plan_nodes(allocated: list[str], suspects: set[str], *, processes: int, per_node: int,
-               min_processes: int) -> tuple[list[str], int]:
+def plan_nodes(
+    allocated: list[str], suspects: set[str], *, processes: int, per_node: int, min_processes: int
+) -> tuple[list[str], int]:
     """Nodes and process count for the next step. Spares replace suspect nodes so the mesh keeps its
     shape; with too few healthy nodes, shrink to a divisor of `processes` if min_processes allows;
     otherwise retry on suspect nodes too (a lost process is not a lost node). A shrunk group keeps the
@@ -245,16 +267,26 @@ def plan_nodes(allocated: list[str], suspects: set[str], *, processes: int, per_
     healthy = [n for n in allocated if n not in suspects]
     if len(healthy) >= need:
         return healthy[:need], processes
-    fits = [p for p in range(processes, 0, -1)
-            if processes % p == 0 and p % per_node == 0 and p // per_node <= len(healthy)]
+    fits = [
+        p for p in range(processes, 0, -1) if processes % p == 0 and p % per_node == 0 and p // per_node <= len(healthy)
+    ]
     if min_processes and fits and fits[0] >= min_processes:
-        return healthy[:fits[0] // per_node], fits[0]
+        return healthy[: fits[0] // per_node], fits[0]
     return (healthy + [n for n in allocated if n in suspects])[:need], processes
 
 
 def srun_command(argv: list[str], *, nodes: list[str], processes: int, per_node: int, launch_id: str) -> list[str]:
-    return ["srun", f"--nodes={len(nodes)}", f"--ntasks={processes}", f"--ntasks-per-node={per_node}",
-            f"--nodelist={','.join(nodes)}", "--kill-on-bad-exit=1", "--label", f"--job-name={launch_id}", *argv]
+    return [
+        "srun",
+        f"--nodes={len(nodes)}",
+        f"--ntasks={processes}",
+        f"--ntasks-per-node={per_node}",
+        f"--nodelist={','.join(nodes)}",
+        "--kill-on-bad-exit=1",
+        "--label",
+        f"--job-name={launch_id}",
+        *argv,
+    ]
 
 
 class Launcher:
@@ -272,21 +304,27 @@ class Launcher:
             self.allocated = hostnames(env["SLURM_JOB_NODELIST"])
             need = cfg.processes // cfg.processes_per_node
             if len(self.allocated) < need and not cfg.min_processes:
-                raise ConfigError(f"launch.processes={cfg.processes} at {cfg.processes_per_node} per node needs "
-                                  f"{need} nodes; the allocation has {len(self.allocated)}")
+                raise ConfigError(
+                    f"launch.processes={cfg.processes} at {cfg.processes_per_node} per node needs "
+                    f"{need} nodes; the allocation has {len(self.allocated)}"
+                )
 
     def start(self, attempt: int, argv: list[str], env: Mapping[str, str]) -> Group:
         env = dict(env, **{membership.ENV_ATTEMPT: str(attempt)})
         if self.cfg.mode == "local":
             port = self.cfg.coordinator_port + attempt if self.cfg.coordinator_port else free_port()
-            self._last = LocalGroup(argv, env, processes=self.cfg.processes, port=port,
-                                    grace_s=self.cfg.exit_grace_s)
+            self._last = LocalGroup(argv, env, processes=self.cfg.processes, port=port, grace_s=self.cfg.exit_grace_s)
             return self._last
         if isinstance(self._last, SrunGroup) and (bad := self._last.failed_node()):
             self.suspects.add(bad)
         self.suspects |= down_nodes(self.allocated)
-        nodes, n = plan_nodes(self.allocated, self.suspects, processes=self.cfg.processes,
-                              per_node=self.cfg.processes_per_node, min_processes=self.cfg.min_processes)
+        nodes, n = plan_nodes(
+            self.allocated,
+            self.suspects,
+            processes=self.cfg.processes,
+            per_node=self.cfg.processes_per_node,
+            min_processes=self.cfg.min_processes,
+        )
         launch_id = f"trainer-{uuid.uuid4().hex[:8]}"
         env.update({ENV_LAUNCH_ID: launch_id, membership.ENV_PORT: str(membership.slurm_port(self.cfg, env))})
         cmd = srun_command(argv, nodes=nodes, processes=n, per_node=self.cfg.processes_per_node, launch_id=launch_id)
@@ -314,8 +352,9 @@ def down_nodes(nodes: list[str]) -> set[str]:
     """Nodes SLURM itself reports as failed: down, drained, failing or not responding."""
     if not nodes:
         return set()
-    out = subprocess.run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %t"], capture_output=True,
-                         text=True, timeout=30).stdout
+    out = subprocess.run(
+        ["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %t"], capture_output=True, text=True, timeout=30
+    ).stdout
     bad = {"down", "drain", "drng", "fail", "failg", "npc", "no_respond"}
     out_nodes = set()
     for ln in out.splitlines():

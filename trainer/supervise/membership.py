@@ -32,8 +32,8 @@ def first_host(nodelist: str) -> str:
     i = next((k for k, ch in enumerate(nodelist) if ch in ",["), len(nodelist))
     if i == len(nodelist) or nodelist[i] == ",":
         return nodelist[:i]
-    inside = nodelist[i + 1:]
-    return nodelist[:i] + inside[:next(k for k, ch in enumerate(inside) if ch in ",-]")]
+    inside = nodelist[i + 1 :]
+    return nodelist[:i] + inside[: next(k for k, ch in enumerate(inside) if ch in ",-]")]
 
 
 def slurm_port(cfg: LaunchConfig, env: Mapping[str, str]) -> int:

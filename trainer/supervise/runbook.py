@@ -50,9 +50,14 @@ class RunbookState:
     def load(cls, run_dir: Path, optim: OptimConfig) -> RunbookState:
         p = Path(run_dir) / STATE_FILE
         saved = _read_state(p) if p.exists() else {}
-        return cls(skips=saved.get("skips", []), lr_scale=saved.get("lr_scale", 1.0),
-                   clip_norm=saved.get("clip_norm", optim.clip_norm), b2=saved.get("b2", optim.b2),
-                   pinned=saved.get("pinned", []), history=saved.get("history", []))
+        return cls(
+            skips=saved.get("skips", []),
+            lr_scale=saved.get("lr_scale", 1.0),
+            clip_norm=saved.get("clip_norm", optim.clip_norm),
+            b2=saved.get("b2", optim.b2),
+            pinned=saved.get("pinned", []),
+            history=saved.get("history", []),
+        )
 
     def save(self, run_dir: Path) -> None:
         # A kill leaves the old state or the new one, never half of each.
@@ -73,12 +78,18 @@ def _read_state(p: Path) -> dict:
         why = "not the runbook's JSON object"
     num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
     ints = lambda v: isinstance(v, list) and all(isinstance(x, int) for x in v)
-    if (isinstance(saved, dict) and all(num(saved.get(k, 1.0)) for k in ("lr_scale", "clip_norm", "b2"))
-            and ints(saved.get("skips", [])) and ints(saved.get("pinned", []))
-            and isinstance(saved.get("history", []), list)):
+    if (
+        isinstance(saved, dict)
+        and all(num(saved.get(k, 1.0)) for k in ("lr_scale", "clip_norm", "b2"))
+        and ints(saved.get("skips", []))
+        and ints(saved.get("pinned", []))
+        and isinstance(saved.get("history", []), list)
+    ):
         return saved
-    raise ConfigError(f"{p} is damaged ({why[:120]}); it holds the spike runbook's skipped batches and softened "
-                      f"hyperparameters: restore it from a backup, or move it away to resume without them")
+    raise ConfigError(
+        f"{p} is damaged ({why[:120]}); it holds the spike runbook's skipped batches and softened "
+        f"hyperparameters: restore it from a backup, or move it away to resume without them"
+    )
 
 
 def softened_config(cfg: Config, state: RunbookState) -> Config:
@@ -128,14 +139,17 @@ def sample_ranges(batches: list[int], global_batch: int) -> list[list[int]]:
 
 
 def describe(h: dict) -> str:
-    what = {"skip": f"skipped batches {_span(h['batches'])}",
-            "soften": f"softened: LR scale {h.get('lr_scale')}, clip {h.get('clip_norm')}, b2 {h.get('b2')}",
-            "give_up": "gave up"}[h["action"]]
+    what = {
+        "skip": f"skipped batches {_span(h['batches'])}",
+        "soften": f"softened: LR scale {h.get('lr_scale')}, clip {h.get('clip_norm')}, b2 {h.get('b2')}",
+        "give_up": "gave up",
+    }[h["action"]]
     value = f"{h['value']:.4g}" if isinstance(h["value"], float) else h["value"]
     value = "NaN/Inf" if value is None else value  # strict JSON: a non-finite value is stored as null
     bar = f" > {h['threshold']:.4g}" if h.get("threshold") is not None else ""
-    return (f"#{h['n']} spike at step {h['began']} ({h['signal']} {value}{bar}): "
-            f"rewound {h['from']} -> {h['to']}, {what}")
+    return (
+        f"#{h['n']} spike at step {h['began']} ({h['signal']} {value}{bar}): rewound {h['from']} -> {h['to']}, {what}"
+    )
 
 
 def _span(batches: list[int]) -> str:
@@ -171,25 +185,39 @@ def respond(run_dir: Path, cfg: Config, write_event: Callable[..., None]) -> Out
         state.clip_norm *= rc.clip_factor
         state.b2 = rc.b2 or state.b2
     state.pinned = [target] if target else []
-    rec = {"action": action, "n": n, "from": spike["step"], "to": target,
-           **{k: spike.get(k) for k in ("began", "end", "signal", "value", "threshold", "batches", "open")}}
+    rec = {
+        "action": action,
+        "n": n,
+        "from": spike["step"],
+        "to": target,
+        **{k: spike.get(k) for k in ("began", "end", "signal", "value", "threshold", "batches", "open")},
+    }
     if action == "soften":
         rec.update(state.hyperparams(), peak_lr=cfg.optim.lr * state.lr_scale)
     state.history.append(rec)
     state.save(run_dir)
     write_event("rewind", step=spike["step"], n=n, moved=moved, **{"from": spike["step"], "to": target})
     if action == "skip":
-        write_event("skip", step=rec["began"], n=n, steps=[rec["began"], rec["end"]], batches=rec["batches"],
-                    samples=sample_ranges(rec["batches"], cfg.data.batch_size), skipped_total=len(state.skips))
+        write_event(
+            "skip",
+            step=rec["began"],
+            n=n,
+            steps=[rec["began"], rec["end"]],
+            batches=rec["batches"],
+            samples=sample_ranges(rec["batches"], cfg.data.batch_size),
+            skipped_total=len(state.skips),
+        )
     elif action == "soften":
         write_event("soften", step=rec["began"], n=n, **state.hyperparams(), peak_lr=rec["peak_lr"])
     message = f"runbook: {describe(rec)}"
     if action == "give_up":
         tried = [describe(h) for h in state.history[:-1]]
-        message = (f"runbook gave up after {len(tried)} actions (runbook.max_actions={rc.max_actions}): the spike "
-                   f"came back at step {rec['began']} ({rec['signal']} {rec['value']}). Tried: {'; '.join(tried)}. "
-                   f"The run dir is back at the last good checkpoint (step {target}); raise runbook.max_actions "
-                   f"or lower optim.lr, then rerun to continue.")
+        message = (
+            f"runbook gave up after {len(tried)} actions (runbook.max_actions={rc.max_actions}): the spike "
+            f"came back at step {rec['began']} ({rec['signal']} {rec['value']}). Tried: {'; '.join(tried)}. "
+            f"The run dir is back at the last good checkpoint (step {target}); raise runbook.max_actions "
+            f"or lower optim.lr, then rerun to continue."
+        )
         write_event("runbook_gave_up", step=spike["step"], tried=tried, message=message)
     if cfg.log.tensorboard:
         _tensorboard(run_dir / "tb", rec, state, cfg, message)
@@ -199,8 +227,15 @@ def respond(run_dir: Path, cfg: Config, write_event: Callable[..., None]) -> Out
 def _tensorboard(logdir: Path, rec: dict, state: RunbookState, cfg: Config, message: str) -> None:
     w = Writer(logdir, suffix=f".runbook{rec['n']}")
     step = rec["began"]
-    w.add(step, {"runbook/action": ACTION_CODES[rec["action"]], "runbook/lr_scale": state.lr_scale,
-                 "runbook/peak_lr": cfg.optim.lr * state.lr_scale, "runbook/clip_norm": state.clip_norm,
-                 "runbook/skipped_batches": len(state.skips)})
+    w.add(
+        step,
+        {
+            "runbook/action": ACTION_CODES[rec["action"]],
+            "runbook/lr_scale": state.lr_scale,
+            "runbook/peak_lr": cfg.optim.lr * state.lr_scale,
+            "runbook/clip_norm": state.clip_norm,
+            "runbook/skipped_batches": len(state.skips),
+        },
+    )
     w.text("runbook", message, step)
     w.close()

@@ -89,8 +89,10 @@ class Supervisor:
     def _check_hang(self, att: Attempt) -> bool:
         # Processes move in lockstep: one waiting in a collective for a slower peer (still compiling, say)
         # is not hung. The group is hung once every process is overdue for its own phase.
-        beats = [(hb["phase"], hb["time"], hb["step"], i) if hb else ("startup", att.started, None, i)
-                 for i, hb in enumerate(self._heartbeats(att))]
+        beats = [
+            (hb["phase"], hb["time"], hb["step"], i) if hb else ("startup", att.started, None, i)
+            for i, hb in enumerate(self._heartbeats(att))
+        ]
         phase, since, step, process = min(beats, key=lambda b: (time.time() - b[1]) / self._timeout(b[0]))
         # Say where the group is stuck: its lowest step (hosts dispatch a step ahead of their devices, so the
         # peers of a hung process may have started the next one before waiting on it).
@@ -100,23 +102,38 @@ class Supervisor:
         if silent <= self._timeout(phase):
             return False
         self.events.open()
-        self.events.write("hang_detected", step=step, pid=att.proc.pid, phase=phase, silent_s=silent,
-                          timeout_s=self._timeout(phase), process=process)
+        self.events.write(
+            "hang_detected",
+            step=step,
+            pid=att.proc.pid,
+            phase=phase,
+            silent_s=silent,
+            timeout_s=self._timeout(phase),
+            process=process,
+        )
         self._dump_stacks(att)
         att.hang = True
         att.proc.send_signal(signal.SIGKILL)
         return True
 
     def _warn_overdue(self, att: Attempt, phase: str, since: float, silent: float, step) -> None:
-        """"No step completed for too long": an alert while there is still time to look, well before the
+        """ "No step completed for too long": an alert while there is still time to look, well before the
         hang timeout kills the worker; cleared as soon as the heartbeat moves again."""
         limit = self.cfg.alerts.overdue_fraction * self._timeout(phase)
         if silent > limit and self.overdue is None:
             self.overdue = (att.proc.pid, since)
             meaning, action = ALERTS["step_overdue"]
-            self.events.write("alert", step=step, kind="step_overdue", phase=phase, silent_s=silent,
-                              detail=f"phase {phase}: no heartbeat for {silent:.0f}s (alert at {limit:.0f}s, "
-                                     f"killed at {self._timeout(phase):.0f}s)", meaning=meaning, runbook=action)
+            self.events.write(
+                "alert",
+                step=step,
+                kind="step_overdue",
+                phase=phase,
+                silent_s=silent,
+                detail=f"phase {phase}: no heartbeat for {silent:.0f}s (alert at {limit:.0f}s, "
+                f"killed at {self._timeout(phase):.0f}s)",
+                meaning=meaning,
+                runbook=action,
+            )
         elif self.overdue is not None and self.overdue != (att.proc.pid, since):
             self.overdue = None
             self.events.write("alert_cleared", step=step, kind="step_overdue", detail=f"heartbeat moved ({phase})")
@@ -174,8 +191,14 @@ class Supervisor:
             code = self._wait(att)
             rundir.drop_empty_stacks(self.run_dir)  # every worker opens one; only a hang dump fills it
             step = _last_step(self.run_dir)
-            self.events.write("worker_exit", step=step, pid=att.proc.pid, attempt=number, **att.proc.describe_exit(),
-                              **({"signal": signal.Signals(-code).name} if code < 0 else {"exit_code": code}))
+            self.events.write(
+                "worker_exit",
+                step=step,
+                pid=att.proc.pid,
+                attempt=number,
+                **att.proc.describe_exit(),
+                **({"signal": signal.Signals(-code).name} if code < 0 else {"exit_code": code}),
+            )
             if code == exit_codes.CONFIG and not self.accepted:
                 return exit_codes.CONFIG
             self.events.open()
@@ -184,8 +207,11 @@ class Supervisor:
                 return self._complete(t0, restarts)
             if code == exit_codes.PREEMPTED or self.stop_signal is not None:
                 self.events.write("preempted", step=step)
-                print(f"supervisor: preempted at step {step}; checkpoint saved. Re-run the same command "
-                      f"(or requeue the job) to resume.", file=sys.stderr)
+                print(
+                    f"supervisor: preempted at step {step}; checkpoint saved. Re-run the same command "
+                    f"(or requeue the job) to resume.",
+                    file=sys.stderr,
+                )
                 self._write_ledger(t0, restarts)
                 return exit_codes.PREEMPTED
             if code == exit_codes.CONFIG:
@@ -212,13 +238,19 @@ class Supervisor:
                 return self._give_up(exit_codes.RESTART_BUDGET, step, reason, att, t0, restarts)
             # A failure at a new step restarts at once: each second here is the whole cluster idle. Only a
             # step that fails again backs off (exponentially, bounded), e.g. for a flaky filesystem.
-            delay = 0.0 if same_step_failures == 1 else min(self.sc.backoff_s * 2 ** (same_step_failures - 2),
-                                                            self.sc.backoff_max_s)
+            delay = (
+                0.0
+                if same_step_failures == 1
+                else min(self.sc.backoff_s * 2 ** (same_step_failures - 2), self.sc.backoff_max_s)
+            )
             restarts += 1
             self.events.write("restart", step=step, reason=reason, attempt=number + 1, backoff_s=delay)
             interim_ledger = True
-            print(f"supervisor: worker failed ({reason}) at step {step}; restarting in {delay:.1f}s "
-                  f"(restart {restarts}/{self.sc.max_restarts})", file=sys.stderr)
+            print(
+                f"supervisor: worker failed ({reason}) at step {step}; restarting in {delay:.1f}s "
+                f"(restart {restarts}/{self.sc.max_restarts})",
+                file=sys.stderr,
+            )
             time.sleep(delay)
 
     def _on_signal(self, signum, frame) -> None:
@@ -233,8 +265,11 @@ class Supervisor:
             self._write_ledger(t0, restarts)
         except OSError as e:  # a full disk (exit STORAGE) must not hide the message below behind a traceback
             print(f"supervisor: could not write the goodput ledger: {e}", file=sys.stderr)
-        why = (f"at step {step} {reason}; restarting would not help" if code == exit_codes.STORAGE else
-               f"the worker keeps failing at step {step} ({reason}) after {restarts} restarts")
+        why = (
+            f"at step {step} {reason}; restarting would not help"
+            if code == exit_codes.STORAGE
+            else f"the worker keeps failing at step {step} ({reason}) after {restarts} restarts"
+        )
         print(f"supervisor: giving up ({what}): {why}. Last worker output:\n{last}", file=sys.stderr)
         return code
 
@@ -255,8 +290,9 @@ class Supervisor:
             return
         path = self.run_dir / rundir.SUMMARY
         summary = rundir.read_json(path) or {}
-        summary.update(goodput=ledger["goodput"], restarts=restarts, recoveries_s=ledger["recoveries_s"],
-                       wall_s=ledger["wall_s"])
+        summary.update(
+            goodput=ledger["goodput"], restarts=restarts, recoveries_s=ledger["recoveries_s"], wall_s=ledger["wall_s"]
+        )
         rundir.write_json(path, summary)
         if self.cfg.log.report:
             from trainer.observe import report  # matplotlib: loaded only when a run ends
@@ -294,8 +330,10 @@ def main(cfg: Config, config_path: str | None, overrides: list[str]) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = _lock(run_dir)
     if fd is None:
-        print(f"error: run.dir {run_dir} is in use by another supervisor; wait for it or pick another run.dir",
-              file=sys.stderr)
+        print(
+            f"error: run.dir {run_dir} is in use by another supervisor; wait for it or pick another run.dir",
+            file=sys.stderr,
+        )
         return exit_codes.LOCKED
     code = sup.run()
     if code == exit_codes.CONFIG and created and not sup.accepted:

@@ -55,8 +55,12 @@ def _interval(text: str) -> float | None:
 
 
 def _parser() -> _Parser:
-    p = _Parser(prog="python -m trainer survival", description=__doc__.splitlines()[0], allow_abbrev=False,
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = _Parser(
+        prog="python -m trainer survival",
+        description=__doc__.splitlines()[0],
+        allow_abbrev=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--gpus", type=_number(int, 0, True), default=1024, help="GPUs in the job (target cluster size)")
     p.add_argument("--mtbf-hours", type=_number(float, 0, True), default=50_000.0, help="MTBF of one GPU")
     p.add_argument("--interval-min", type=_interval, default=60.0, help="checkpoint interval, or 'never'")

@@ -31,21 +31,26 @@ def _interval_text(inputs: dict[str, Any]) -> str:
 def table(r: dict[str, Any]) -> str:
     i, ex = r["inputs"], r["exact"]
     lines = [
-        (f"run survival: {i['gpus']:,} GPUs x {i['days']:g} days = {_n(r['run_gpu_hours'], 0)} GPU-hours of work,"
-        f" MTBF {i['mtbf_hours']:,.0f} h per GPU"),
-        (f"{_interval_text(i)}, stall {i['stall_s']:g} s per save, restart {i['restart_min']:g} min,"
-        f" healthy MFU {i['mfu']:.3f}"),
+        (
+            f"run survival: {i['gpus']:,} GPUs x {i['days']:g} days = {_n(r['run_gpu_hours'], 0)} GPU-hours of work,"
+            f" MTBF {i['mtbf_hours']:,.0f} h per GPU"
+        ),
+        (
+            f"{_interval_text(i)}, stall {i['stall_s']:g} s per save, restart {i['restart_min']:g} min,"
+            f" healthy MFU {i['mfu']:.3f}"
+        ),
         "",
         f"  expected failures        {r['expected_failures']:>14.2f}",
         f"  lost per crash           {_n(r['lost_per_crash_gpu_hours']):>14} GPU-h",
         f"  recompute                {_n(r['recompute_gpu_hours']):>14} GPU-h",
-        (f"  checkpoint overhead      {_n(r['checkpoint_overhead_gpu_hours']):>14} GPU-h"
-        f"  ({r['checkpoints']:,.0f} saves)"),
+        (
+            f"  checkpoint overhead      {_n(r['checkpoint_overhead_gpu_hours']):>14} GPU-h"
+            f"  ({r['checkpoints']:,.0f} saves)"
+        ),
         f"  restart downtime         {_n(r['restart_gpu_hours']):>14} GPU-h",
         f"  wasted                   {_n(r['wasted_gpu_hours']):>14} GPU-h  ({r['wasted_fraction']:.2%} of all spent)",
         f"  effective MFU            {r['effective_mfu']:>14.4f}",
-        (f"  exact Poisson model      {_days(ex)} expected to finish,"
-        f" effective MFU {ex['effective_mfu']:.4f}"),
+        (f"  exact Poisson model      {_days(ex)} expected to finish, effective MFU {ex['effective_mfu']:.4f}"),
         f"  verdict                  {r['verdict']}: {r['verdict_detail']}",
     ]
     for key, render in (("since_checkpoint", _since), ("sweep", _sweep), ("monte_carlo", _mc), ("from_run", _run)):
@@ -63,18 +68,22 @@ def _days(ex: dict[str, Any]) -> str:
 
 def _since(s: dict[str, Any], r: dict[str, Any]) -> list[str]:
     return [
-        (f"a crash {s['hours']:g} h after the last checkpoint loses {s['hours']:g} h x {r['inputs']['gpus']:,} GPUs"
-        f" = {_n(s['lost_gpu_hours'], 0)} GPU-hours")
+        (
+            f"a crash {s['hours']:g} h after the last checkpoint loses {s['hours']:g} h x {r['inputs']['gpus']:,} GPUs"
+            f" = {_n(s['lost_gpu_hours'], 0)} GPU-hours"
+        )
     ]
 
 
 def _sweep(s: dict[str, Any], r: dict[str, Any]) -> list[str]:
     lo, hi = s["search_min"]
     return [
-        (f"sweep over {lo:g}..{hi:g} min: optimum {s['optimum_interval_min']:.1f} min"
-        f" ({_n(s['wasted_at_optimum_gpu_hours'])} GPU-h wasted"
-        f"; {_n(s['wasted_at_search_edges_gpu_hours'][0], 0)} and {_n(s['wasted_at_search_edges_gpu_hours'][1], 0)}"
-        " at the edges)"),
+        (
+            f"sweep over {lo:g}..{hi:g} min: optimum {s['optimum_interval_min']:.1f} min"
+            f" ({_n(s['wasted_at_optimum_gpu_hours'])} GPU-h wasted"
+            f"; {_n(s['wasted_at_search_edges_gpu_hours'][0], 0)} and {_n(s['wasted_at_search_edges_gpu_hours'][1], 0)}"
+            " at the edges)"
+        ),
         f"  Young sqrt(2 x stall x MTBF_system)   {s['young_interval_min']:8.1f} min",
         f"  Daly higher-order                     {s['daly_interval_min']:8.1f} min",
         f"  exact-model optimum                   {s['exact_optimum_interval_min']:8.1f} min",
@@ -91,10 +100,14 @@ def _mc(m: dict[str, Any], r: dict[str, Any]) -> list[str]:
     return [
         f"monte carlo ({m['runs']:,} runs, seed {m['seed']}), mean +- standard error:",
         f"  failures      {ms(m['failures'], 2)}   (expectation model {r['expected_failures']:.2f})",
-        (f"  wasted GPU-h  {ms(m['wasted_gpu_hours'], 1)}   (expectation model {_n(r['wasted_gpu_hours'])},"
-        f" z = {m['z_vs_expectation_wasted']:.2f}: {'agrees' if m['agrees_with_expectation'] else 'DISAGREES'})"),
-        (f"  days          {ms(m['completion_days'], 3)}   (exact model {_days(r['exact'])},"
-        f" z = {m['z_vs_exact_completion']:.2f}: {'agrees' if m['agrees_with_exact'] else 'DISAGREES'})"),
+        (
+            f"  wasted GPU-h  {ms(m['wasted_gpu_hours'], 1)}   (expectation model {_n(r['wasted_gpu_hours'])},"
+            f" z = {m['z_vs_expectation_wasted']:.2f}: {'agrees' if m['agrees_with_expectation'] else 'DISAGREES'})"
+        ),
+        (
+            f"  days          {ms(m['completion_days'], 3)}   (exact model {_days(r['exact'])},"
+            f" z = {m['z_vs_exact_completion']:.2f}: {'agrees' if m['agrees_with_exact'] else 'DISAGREES'})"
+        ),
     ]
 
 
@@ -118,8 +131,9 @@ def write_plot(inp: Inputs, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    opt = recommend_interval_min(stall_s=inp.stall_s, restart_s=inp.restart_min * 60, gpus=inp.gpus,
-                                 mtbf_hours=inp.mtbf_hours)
+    opt = recommend_interval_min(
+        stall_s=inp.stall_s, restart_s=inp.restart_min * 60, gpus=inp.gpus, mtbf_hours=inp.mtbf_hours
+    )
     pts = curve(inp, min(1.0, opt / 4), max(720.0, opt * 4))
     xs = [p["interval_min"] for p in pts]
     parts = [[p[k] for p in pts] for k in ("restart_gpu_hours", "checkpoint_overhead_gpu_hours", "recompute_gpu_hours")]
@@ -131,8 +145,13 @@ def write_plot(inp: Inputs, path: Path) -> None:
     if inp.interval_min is not None and xs[0] <= inp.interval_min <= xs[-1]:
         now = expectation(inp)["wasted_gpu_hours"]
         ax.plot([inp.interval_min], [now], "o", mfc="none", mec="red", mew=2, label=f"chosen {inp.interval_min:g} min")
-    ax.set(xscale="log", xlabel="checkpoint interval (min)", ylabel="expected wasted GPU-hours",
-           ylim=(0, 4 * best), title=f"{inp.gpus:,} GPUs, MTBF {inp.mtbf_hours:,.0f} h, {inp.days:g} days")
+    ax.set(
+        xscale="log",
+        xlabel="checkpoint interval (min)",
+        ylabel="expected wasted GPU-hours",
+        ylim=(0, 4 * best),
+        title=f"{inp.gpus:,} GPUs, MTBF {inp.mtbf_hours:,.0f} h, {inp.days:g} days",
+    )
     ax.legend(loc="upper center")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
