@@ -21,14 +21,21 @@ me, port = int(sys.argv[1]), sys.argv[2]
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=me)
-from trainer.core.agree import Agreement
-a = Agreement(processes=2, start=10, n_flags=3, one_shot=(1,))
+import dataclasses
+from trainer.core.agree import Agreement, one_shot
+@dataclasses.dataclass(frozen=True)
+class F:
+    stop: bool = False
+    save: bool = one_shot()
+    spike: bool = False
+a = Agreement(F, processes=2, start=10)
 out = {}
 for step in range(11, 23):
     stop = me == 1 and step >= 14          # a level: SIGTERM on process 1 at step 14
     save = me == 0 and 12 <= step <= 16    # a one-shot request, raised until served
     spike = me == 1 and step == 19         # raised once
-    out[step] = a.exchange(step, [stop, save, spike])
+    got = a.exchange(step, F(stop=stop, save=save, spike=spike))
+    out[step] = [got.stop, got.save, got.spike]
 print(json.dumps(out))
 """
 

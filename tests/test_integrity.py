@@ -19,7 +19,7 @@ import pytest
 from conftest import ROOT, child_env, events, run_trainer, step_losses, summary, trainer_cmd
 from test_layout import _cli
 
-from trainer.observe import manifest, rundir
+from trainer.observe import checkpoint_files, manifest
 from trainer.supervise import exit_codes
 
 
@@ -111,7 +111,7 @@ def test_a_bad_newest_checkpoint_is_rejected_and_the_previous_one_used(tmp_path,
     assert [(e["step"], e["tier"], e["file"]) for e in rejected] == [(20, "durable", bad_file)], rejected
     assert reason in rejected[0]["reason"], rejected
     assert [(e["step"], e["tier"]) for e in _of(run, "restore")] == [(15, "durable")]  # the previous, not the oldest
-    assert [p.name.split("-")[0] for p in (run / rundir.REJECTED).iterdir()] == ["20"]
+    assert [p.name.split("-")[0] for p in (run / checkpoint_files.REJECTED).iterdir()] == ["20"]
     _same_as(run, ref)
 
 
@@ -190,7 +190,7 @@ def test_a_bitflip_in_one_replica_is_caught_rewound_and_the_run_ends_identical(t
 
 
 def _sealed_local(run: Path, local: Path) -> list[int]:
-    d = rundir.local_root(str(local), run) / "process_0"
+    d = checkpoint_files.local_root(str(local), run) / "process_0"
     return sorted(int(p.name) for p in d.glob("[0-9]*") if manifest.sealed(p)) if d.is_dir() else []
 
 
@@ -225,7 +225,7 @@ def test_the_local_tier_resumes_at_the_local_save_and_the_durable_tier_when_it_i
         _kill_after_local_save(run, local, over, 12, 10)
         assert _sealed_local(run, local)[-1] == 12
         if wipe:  # the node is lost: its replacement has an empty local disk
-            shutil.rmtree(rundir.local_root(str(local), run))
+            shutil.rmtree(checkpoint_files.local_root(str(local), run))
         run_trainer(run, *over, worker=True)
         assert [(e["step"], e["tier"]) for e in _of(run, "restore")] == [want]
         assert not _of(run, "checkpoint_rejected")
@@ -320,7 +320,7 @@ def test_two_processes_agree_on_a_bad_shard_and_on_the_newest_local_step_they_al
     run, local = tmp_path_factory.mktemp("agree") / "run", tmp_path_factory.mktemp("local")
     over = group_overrides(corpus, *TWO, f"checkpoint.local_dir={local}", "checkpoint.local_every_steps=4")
     run_trainer(run, *over, "train.stop_at_step=20")  # durable 10, 20; local 8, 12, 16 on each process (keep 3)
-    roots = [rundir.local_root(str(local), run) / f"process_{i}" for i in (0, 1)]
+    roots = [checkpoint_files.local_root(str(local), run) / f"process_{i}" for i in (0, 1)]
     assert [sorted(int(p.name) for p in r.glob("[0-9]*")) for r in roots] == [[8, 12, 16], [8, 12, 16]]
     shard = _largest(run / "checkpoints" / "20" / "state" / "ocdbt.process_1")  # only process 1 reads it
     shard.write_bytes(shard.read_bytes()[:-64] + bytes(64))

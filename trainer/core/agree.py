@@ -9,32 +9,47 @@ own collectives keep processes within a step of each other). A single process ha
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, TypeVar
+
 LAG = 2  # steps from a flag raised on any process to every process acting on it
 NAMESPACE = "trainer/agree"
 
 
-class Agreement:
-    """`exchange(step, flags)` -> the flags every process acts on at this step.
+Flags = TypeVar("Flags")
 
-    Flags at `one_shot` indices are requests that stay raised until served (a checkpoint-now, a timed
+
+def one_shot(*, doc: str = "") -> Any:
+    """A dataclass field of a flags class that is a request, not a level (see Agreement)."""
+    return dataclasses.field(default=False, metadata={"one_shot": True, "doc": doc})
+
+
+class Agreement:
+    """`exchange(step, flags)` -> the flags every process acts on at this step. `flags` is an instance of a
+    dataclass of booleans (its field order is the wire format).
+
+    Fields declared with `one_shot()` are requests that stay raised until served (a checkpoint-now, a timed
     save): they are published once per rising edge, so a request served LAG steps later is served once.
     The others are levels (stop, spike, hold): acting on them again changes nothing."""
 
-    def __init__(
-        self, *, processes: int, start: int, n_flags: int, one_shot: tuple[int, ...] = (), timeout_s: float = 3600.0
-    ):
-        self.processes, self.start, self.n = processes, start, n_flags
+    def __init__(self, kind: type, *, processes: int, start: int, timeout_s: float = 3600.0):
+        fields = dataclasses.fields(kind)
+        self.kind, self.names = kind, [f.name for f in fields]
+        self.processes, self.start, self.n = processes, start, len(fields)
         self.lag = LAG if processes > 1 else 0
-        self.one_shot = one_shot
+        self.one_shot = {i for i, f in enumerate(fields) if f.metadata.get("one_shot")}
         self.timeout_ms = int(timeout_s * 1000)
-        self._prev = [False] * n_flags
+        self._prev = [False] * self.n
         self._client = None
         if processes > 1:
-            from jax._src.distributed import global_state
+            from trainer.core.distributed import coordination_client
 
-            self._client = global_state.client
+            self._client = coordination_client()
 
-    def exchange(self, step: int, flags: list[bool]) -> list[bool]:
+    def exchange(self, step: int, flags: Flags) -> Flags:
+        return self.kind(**dict(zip(self.names, self._exchange(step, [bool(getattr(flags, n)) for n in self.names]))))
+
+    def _exchange(self, step: int, flags: list[bool]) -> list[bool]:
         raised = [f and not (i in self.one_shot and self._prev[i]) for i, f in enumerate(flags)]
         self._prev = list(flags)
         if self._client is None:

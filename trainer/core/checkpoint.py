@@ -1,5 +1,5 @@
 """Orbax checkpoints of the whole run, one tier per `Checkpointer`: state (params, optimizer, step, PRNG),
-data cursor, metadata; and when to save (`SavePolicy`).
+data cursor, metadata. When to save: trainer.core.save_policy; the files on disk: trainer.observe.checkpoint_files.
 
 Saves are async: `save` returns once device arrays are copied to host; Orbax writes and commits the step
 directory atomically in the background, and then a sealing thread checksums what this process committed
@@ -24,12 +24,11 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as cm
-from orbax.checkpoint._src.path import atomicity
 
 from trainer.config import CheckpointConfig
-from trainer.observe import manifest
+from trainer.observe import checkpoint_files, manifest
+from trainer.observe.checkpoint_files import DURABLE, ITEMS, LOCAL
 
-ITEMS = ("state", "data", "meta")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -65,36 +64,6 @@ class _Pinned(cm.PreservationPolicy):
         return [c.step in keep for c in checkpoints]
 
 
-class SavePolicy:
-    """When to save: every N steps and/or every M minutes. M = "auto" re-derives the interval after
-    each save from the measured blocking time and the failure rate of the cluster (run-survival model)."""
-
-    def __init__(self, cfg: CheckpointConfig, *, devices: int, restart_s: float):
-        self._cfg, self._devices, self._restart_s = cfg, cfg.auto_devices or devices, restart_s
-        self.minutes = 0.0 if cfg.every_minutes == "auto" else float(cfg.every_minutes)
-        self._last = time.time()
-
-    def due(self, step: int) -> tuple[bool, bool]:
-        """(periodic by steps, due by time)."""
-        by_steps = bool(self._cfg.every_steps) and step % self._cfg.every_steps == 0
-        return by_steps, bool(self.minutes) and time.time() - self._last >= 60 * self.minutes
-
-    def saved(self, blocking_s: float) -> float | None:
-        """Record a save; returns the new interval in minutes when "auto" changed it."""
-        self._last = time.time()
-        if self._cfg.every_minutes != "auto":
-            return None
-        from trainer.survival.model import recommend_interval_min
-
-        self.minutes = recommend_interval_min(
-            stall_s=max(blocking_s, 1e-3),
-            restart_s=self._restart_s,
-            gpus=self._devices,
-            mtbf_hours=self._cfg.mtbf_hours,
-        )
-        return self.minutes
-
-
 def _local_multiprocessing() -> ocp.options.MultiprocessingOptions:
     """A local checkpoint involves this process alone: no primary host, no barriers with the others."""
     return ocp.options.MultiprocessingOptions(
@@ -107,10 +76,8 @@ def _local_multiprocessing() -> ocp.options.MultiprocessingOptions:
 def _local_handlers(mp: ocp.options.MultiprocessingOptions) -> dict:
     """The local tier: each process writes every shard it holds (one copy per index) into its own directory,
     uncompressed (what Orbax's emergency checkpointing does for its local tier), and its own JSON items."""
-    from orbax.checkpoint._src.serialization import type_handler_registry, type_handlers
-
-    registry = type_handler_registry.create_type_handler_registry(
-        (jax.Array, type_handlers.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False))
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (jax.Array, ocp.type_handlers.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False))
     )
     return {
         "state": ocp.PyTreeCheckpointHandler(
@@ -129,20 +96,28 @@ def _single_process_writes() -> None:
     compiled slice per array shape to the process's first save: ~1 s of every restart, measured. Several
     processes keep Orbax's default (on CPU, so in the multi-process tests, each writes its slice of the
     replicated arrays; on GPU the first replica writes them)."""
-    from orbax.checkpoint._src.metadata import array_metadata_store
-
     ocp.type_handlers.register_type_handler(
         jax.Array,
-        ocp.type_handlers.ArrayHandler(use_replica_parallel=False, array_metadata_store=array_metadata_store.Store()),
+        ocp.type_handlers.ArrayHandler(use_replica_parallel=False, array_metadata_store=_array_metadata_store()),
         override=True,
     )
+
+
+def _array_metadata_store():
+    """Orbax's own array-metadata store, which its default ArrayHandler writes through. The one private
+    Orbax name we use (checked against orbax-checkpoint 0.12.8): the public API exports the handler but not
+    the store, and a handler built without it would stop writing the per-array metadata Orbax's restore
+    reads (its default handler passes this same store)."""
+    from orbax.checkpoint._src.metadata import array_metadata_store
+
+    return array_metadata_store.Store()
 
 
 def _slow_commits(delay_s: Callable[[int], float]) -> type:
     """The slow_save fault's storage: Orbax's own atomic rename of the step directory, `delay_s(step)` seconds
     late. Orbax commits in its background thread when saves are async, in the caller's thread otherwise."""
 
-    class SlowCommit(atomicity.AtomicRenameTemporaryPath):
+    class SlowCommit(ocp.path.atomicity.AtomicRenameTemporaryPath):
         async def finalize(self):
             if (name := self.get_final().name).isdigit():  # the step directory (its items use this class too)
                 await asyncio.sleep(delay_s(int(name)))
@@ -160,14 +135,14 @@ class Checkpointer:
         directory: Path,
         cfg: CheckpointConfig,
         *,
-        tier: str = "durable",
+        tier: str = DURABLE,
         pinned: Callable[[list[int]], set[int]] | None = None,
         read_only: bool = False,
         commit_delay: Callable[[int], float] | None = None,
     ):
         self.cfg, self.tier = cfg, tier
         self.directory = Path(directory).absolute()
-        local = tier == "local"
+        local = tier == LOCAL
         # Manifest identity: a local checkpoint is one process's own; a durable one is shared by all.
         self.writer, self.writers = (0, 1) if local else (jax.process_index(), jax.process_count())
         self.failure: str | None = None  # set when a save could not be written
@@ -208,7 +183,7 @@ class Checkpointer:
         return keep
 
     def steps(self) -> list[int]:
-        return sorted(self.manager.all_steps())
+        return checkpoint_files.committed_steps(self.directory)
 
     def step_dir(self, step: int) -> Path:
         return self.directory / str(step)
@@ -223,7 +198,7 @@ class Checkpointer:
         # interval) would charge the step's own compute to the save: 0.4-0.6 s of a 0.5 s step on CPU.
         jax.block_until_ready(state)
         t0 = time.perf_counter()
-        if self.tier == "local":
+        if self.tier == LOCAL:
             state_arg = ocp.args.PyTreeSave(state)
         else:
             state_arg = ocp.args.StandardSave(state)
@@ -253,7 +228,7 @@ class Checkpointer:
             self.manager.wait_until_finished()
             if self.cfg.verify:
                 manifest.write(
-                    self.step_dir(step), process=self.writer, processes=self.writers, durable=self.tier == "durable"
+                    self.step_dir(step), process=self.writer, processes=self.writers, durable=self.tier == DURABLE
                 )
         except BaseException as e:  # reported through `failure`, acted on by the loop
             self.failure = self._describe(step, e)
@@ -280,7 +255,7 @@ class Checkpointer:
         )
 
     def restore(self, step: int, abstract_state: Any) -> Restored:
-        if self.tier == "local":
+        if self.tier == LOCAL:
             state_arg = ocp.args.PyTreeRestore(
                 abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state)
             )
@@ -298,7 +273,7 @@ class Checkpointer:
         """This process's share of re-reading the step's files against their manifests: in the durable
         tier manifest i is checked by process i mod (process count), so the work is spread whatever the
         process count was at save; a local checkpoint is checked whole by its owner."""
-        share = None if self.tier == "local" else (jax.process_index(), jax.process_count())
+        share = None if self.tier == LOCAL else (jax.process_index(), jax.process_count())
         return manifest.verify(self.step_dir(step), share=share)
 
     def move_aside(self, step: int, dest: Path) -> None:

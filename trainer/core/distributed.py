@@ -45,3 +45,12 @@ def allgather_json(obj, *, limit: int = 1 << 16) -> list:
     buf[4 : 4 + len(raw)] = np.frombuffer(raw, np.uint8)
     rows = np.asarray(multihost_utils.process_allgather(buf)).reshape(jax.process_count(), limit + 4)
     return [json.loads(bytes(r[4 : 4 + int.from_bytes(bytes(r[:4]), "little")])) for r in rows]
+
+
+def coordination_client():
+    """The jax.distributed coordination service's client (its key-value store carries the loop's agreed
+    flags, trainer.core.agree). jax keeps it in a private module: the one private jax name we use, checked
+    against jax 0.10.2; the public API exposes initialize/shutdown but not the client."""
+    from jax._src.distributed import global_state
+
+    return global_state.client

@@ -19,33 +19,16 @@ import jax
 from trainer.config import CheckpointConfig
 from trainer.core.checkpoint import Checkpointer, Restored, SaveFailed
 from trainer.core.distributed import allgather_json
-from trainer.observe import manifest, rundir
-
-LOCAL, DURABLE = "local", "durable"
-
-
-class Cadence:
-    """When the local tier saves: every N steps and/or every M minutes."""
-
-    def __init__(self, every_steps: int, every_minutes: float):
-        self.every_steps, self.every_minutes = every_steps, every_minutes
-        self._last = time.time()
-
-    def due(self, step: int) -> tuple[bool, bool]:
-        """(by steps, by time); the time verdict differs between processes: the loop agrees on it."""
-        by_steps = bool(self.every_steps) and step % self.every_steps == 0
-        return by_steps, bool(self.every_minutes) and time.time() - self._last >= 60 * self.every_minutes
-
-    def saved(self) -> None:
-        self._last = time.time()
+from trainer.observe import checkpoint_files, manifest
+from trainer.observe.checkpoint_files import DURABLE, LOCAL
 
 
 def saved_meta(run_dir: Path, cfg: CheckpointConfig) -> dict | None:
     """The metadata item of the newest checkpoint (either tier) whose metadata reads: what a resume is
     checked against before anything is written. A torn one is skipped here; the restore rejects it."""
-    dirs = [Path(run_dir) / rundir.CHECKPOINTS]
+    dirs = [checkpoint_files.durable_dir(run_dir)]
     if cfg.local_dir:
-        dirs.append(rundir.local_root(cfg.local_dir, run_dir) / f"process_{jax.process_index()}")
+        dirs.append(checkpoint_files.local_dir(cfg.local_dir, run_dir, jax.process_index()))
     found: list[tuple[int, Checkpointer]] = []
     for d, tier in zip(dirs, (DURABLE, LOCAL)):
         if d.is_dir():
@@ -74,19 +57,23 @@ class Tiers:
     ):
         self.cfg, self.log = cfg, log
         self.run_dir = Path(run_dir)
-        self.durable = Checkpointer(self.run_dir / rundir.CHECKPOINTS, cfg, pinned=pinned, commit_delay=commit_delay)
+        self.durable = Checkpointer(
+            checkpoint_files.durable_dir(self.run_dir), cfg, pinned=pinned, commit_delay=commit_delay
+        )
         self.local: Checkpointer | None = None
         if cfg.local_dir:
-            root = rundir.local_root(cfg.local_dir, run_dir)
-            self.local = Checkpointer(root / f"process_{jax.process_index()}", cfg, tier=LOCAL)
-        self.cadence = Cadence(cfg.local_every_steps, cfg.local_every_minutes)
+            self.local = Checkpointer(
+                checkpoint_files.local_dir(cfg.local_dir, run_dir, jax.process_index()), cfg, tier=LOCAL
+            )
         # The runbook's rewind targets, oldest first: a local checkpoint saved before the i-th rewind and past
         # its target belongs to an abandoned history (the supervisor cannot reach node-local disks to move it).
         self.rewinds = rewinds
 
     # --- saving ---------------------------------------------------------------------------------------
-    def local_due(self, step: int) -> tuple[bool, bool]:
-        return self.cadence.due(step) if self.local else (False, False)
+    @property
+    def has_local(self) -> bool:
+        """A local tier is configured and has not failed in this attempt."""
+        return self.local is not None
 
     def save(self, step: int, state: Any, data_state: dict, meta: dict, *, tier: str) -> float | None:
         """Start an async save into one tier; blocking seconds. A durable failure raises SaveFailed; a local
@@ -94,7 +81,6 @@ class Tiers:
         meta = dict(meta, lineage=len(self.rewinds))
         if tier == DURABLE:
             return self.durable.save(step, state, data_state, meta)
-        self.cadence.saved()
         try:
             return self.local.save(step, state, data_state, meta)
         except SaveFailed:
@@ -188,11 +174,11 @@ class Tiers:
     def _move_aside(self, ck: Checkpointer, step: int) -> None:
         """Durable: process 0 moves the shared directory; local: each process its own copy. Then everyone
         waits for everyone and re-reads its listing."""
-        stamp = f"{step}-{int(time.time())}"
+        stamp = int(time.time())
         if ck.tier == LOCAL:
-            ck.move_aside(step, ck.directory.parent / "rejected" / f"process_{jax.process_index()}-{stamp}")
+            ck.move_aside(step, checkpoint_files.local_rejected_path(ck.directory, step, stamp))
         elif jax.process_index() == 0:
-            ck.move_aside(step, self.run_dir / rundir.REJECTED / stamp)
+            ck.move_aside(step, checkpoint_files.rejected_path(self.run_dir, step, stamp))
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 

@@ -24,7 +24,7 @@ from trainer.config import Config, ConfigError, ModelConfig
 from trainer.core.distributed import allgather_json
 from trainer.core.model import GPT
 from trainer.corpus import shards, tokenizer
-from trainer.observe import manifest, pick, rundir
+from trainer.observe import checkpoint_files, manifest, pick, rundir
 from trainer.observe.events import iter_events
 from trainer.yamltree import build
 
@@ -124,7 +124,7 @@ def init_source(cfg: Config) -> dict | None:
             cfg.train.init_from,
             agree=_agreed,
             share=(jax.process_index(), jax.process_count()),
-            name_it=f"a step path, RUN_DIR/{rundir.CHECKPOINTS}/STEP",
+            name_it=f"a step path, RUN_DIR/{checkpoint_files.CHECKPOINTS}/STEP",
         )
     except ConfigError as e:
         raise ConfigError(f"train.init_from: {e}") from None

@@ -20,7 +20,7 @@ from trainer.config import FROZEN_KEYS, Config, ConfigError, dump_yaml, to_dict
 from trainer.core import data, optim, tiers, weights
 from trainer.core import mesh as mesh_lib
 from trainer.core import state as state_lib
-from trainer.core.integrity import ReplicaCheck
+from trainer.core.replicas import ReplicaCheck
 from trainer.core.model import GPT
 from trainer.observe import alerts, rundir
 from trainer.observe.events import EventLog

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from trainer.observe import manifest, rundir
+from trainer.observe import checkpoint_files, manifest, rundir
 from trainer.observe.progress import fmt_duration
 
 
@@ -40,16 +40,14 @@ def _local_dirs(run_dir: Path) -> list[tuple[str, Path]]:
     local = (cfg.get("checkpoint") or {}).get("local_dir") or ""
     if not local:
         return []
-    root = rundir.local_root(local, run_dir)
-    return [(f"local ({p.name.replace('_', ' ')})", p) for p in sorted(root.glob("process_*")) if p.is_dir()]
+    return [(f"local ({p.name.replace('_', ' ')})", p) for p in checkpoint_files.local_dirs(local, run_dir)]
 
 
 def entries(run_dir: Path, *, verify: bool) -> list[Entry]:
-    dirs = [("durable", run_dir / rundir.CHECKPOINTS)] + _local_dirs(run_dir)
+    dirs = [(checkpoint_files.DURABLE, checkpoint_files.durable_dir(run_dir))] + _local_dirs(run_dir)
     out = []
     for tier, d in dirs:
-        steps = sorted((int(p.name) for p in d.iterdir() if p.name.isdigit()), reverse=True) if d.is_dir() else []
-        for step in steps:
+        for step in reversed(checkpoint_files.committed_steps(d)):
             step_dir = d / str(step)
             files = [p for p in step_dir.rglob("*") if p.is_file()]
             found, problems = manifest.read(step_dir)
@@ -96,7 +94,7 @@ def main(argv: list[str]) -> int:
         print(f"{'step':>8}  {'tier':<18} {'size':>9}  {'age':>8}  {'verified' if args.verify else 'manifests'}")
         for e in found:
             print(f"{e.step:>8}  {e.tier:<18} {_size(e.bytes):>9}  {fmt_duration(e.age_s):>8}  {e.detail}")
-        aside = run_dir / rundir.REJECTED
+        aside = run_dir / checkpoint_files.REJECTED
         if aside.is_dir() and (n := len(list(aside.iterdir()))):
             print(f"{n} rejected checkpoint(s) kept in {aside}")
     return 1 if args.verify and not all(e.verified for e in found) else 0

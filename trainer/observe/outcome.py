@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from trainer.config import FROZEN_KEYS, Config, to_dict
-from trainer.observe import goodput, rundir
+from trainer.observe import checkpoint_files, goodput, rundir
 from trainer.observe.events import events_newest_first, read_events
 from trainer.observe.status import fmt_loss
 
@@ -22,10 +22,7 @@ WORKER_END = ("run_complete", "stopped")  # how a worker ends a run on purpose (
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
     """Committed checkpoint steps (Orbax renames a step directory into place only once it is complete)."""
-    try:
-        return sorted(int(p.name) for p in (Path(run_dir) / rundir.CHECKPOINTS).iterdir() if p.name.isdigit())
-    except OSError:
-        return []
+    return checkpoint_files.committed_steps(checkpoint_files.durable_dir(run_dir))
 
 
 def begin_line(
@@ -41,7 +38,7 @@ def begin_line(
     """The first line of an attempt: a fresh start (from another run's params with train.init_from), or the
     checkpoint it resumed from."""
     if start:
-        where = "the node-local tier" if tier == "local" else Path(run_dir) / rundir.CHECKPOINTS / str(start)
+        where = "the node-local tier" if tier == "local" else checkpoint_files.durable_dir(run_dir) / str(start)
         return f"resumed from step {start} of checkpoint {where}; training to step {steps}"
     devices = 1
     for v in mesh.values():
@@ -67,7 +64,7 @@ def complete_line(run_dir: Path, step: int) -> str:
 
 
 def stopped_line(run_dir: Path, step: int) -> str:
-    where = Path(run_dir) / rundir.CHECKPOINTS / str(step)
+    where = checkpoint_files.durable_dir(run_dir) / str(step)
     return (
         f"stopped at step {step} (train.stop_at_step): checkpoint {where}; raise train.stop_at_step, or set it "
         f"to 0, and re-run to continue"

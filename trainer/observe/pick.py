@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from trainer.config import ConfigError
-from trainer.observe import manifest, rundir, status
+from trainer.observe import checkpoint_files, manifest, rundir, status
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,7 @@ def _alone(check: Callable[[], manifest.Problem | None]) -> manifest.Problem | N
 
 
 def steps(run_dir: Path) -> list[int]:
-    d = Path(run_dir) / rundir.CHECKPOINTS
-    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+    return checkpoint_files.committed_steps(checkpoint_files.durable_dir(run_dir))
 
 
 def live_pid(run_dir: Path) -> int | None:
@@ -63,16 +62,16 @@ def _saved_with_manifests(run_dir: Path | None) -> bool:
 
 def _where(path: Path, step: int | None) -> tuple[Path | None, int | None]:
     """(run dir, named step) of a run dir or a step dir path."""
-    if path.name.isdigit() and (path / "state").is_dir():
+    if checkpoint_files.is_step_dir(path):
         if step is not None and step != int(path.name):
             raise ConfigError(f"{path} is the checkpoint of step {path.name}, but --step says {step}")
-        run = path.parent.parent if path.parent.name == rundir.CHECKPOINTS else None
+        run = path.parent.parent if path.parent.name == checkpoint_files.CHECKPOINTS else None
         return run, int(path.name)
-    if (path / rundir.CHECKPOINTS).is_dir():
+    if (path / checkpoint_files.CHECKPOINTS).is_dir():
         return path, step
     raise ConfigError(
-        f"{path} is neither a run dir (with a {rundir.CHECKPOINTS}/ directory) nor a checkpoint "
-        f"(RUN_DIR/{rundir.CHECKPOINTS}/STEP); pass one of those"
+        f"{path} is neither a run dir (with a {checkpoint_files.CHECKPOINTS}/ directory) nor a checkpoint "
+        f"(RUN_DIR/{checkpoint_files.CHECKPOINTS}/STEP); pass one of those"
     )
 
 
@@ -88,9 +87,9 @@ def pick(
     group verify a part each and agree on the verdict. `name_it`: how the caller's user names a checkpoint."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise ConfigError(f"{path} does not exist; pass a run dir or RUN_DIR/{rundir.CHECKPOINTS}/STEP")
+        raise ConfigError(f"{path} does not exist; pass a run dir or RUN_DIR/{checkpoint_files.CHECKPOINTS}/STEP")
     run, named = _where(path, step)
-    ckpts = Path(run) / rundir.CHECKPOINTS if run else path.parent
+    ckpts = Path(run) / checkpoint_files.CHECKPOINTS if run else path.parent
     have = steps(run) if run else [named]
     if named is not None and named not in have:
         raise ConfigError(f"{run} has no checkpoint of step {named}; it has: {_listing(have)}")

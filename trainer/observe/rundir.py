@@ -7,7 +7,6 @@ Every JSON we write is strict (RFC 8259): a NaN or infinite float is written as 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -18,7 +17,6 @@ from trainer.config import ConfigError
 EVENTS = "events.jsonl"
 SUMMARY = "summary.json"
 CONFIG = "config.yaml"
-CHECKPOINTS = "checkpoints"
 TENSORBOARD = "tb"
 STACKS = "stacks"  # worker-PID.txt: a hung worker's Python stacks, dumped before the kill
 
@@ -56,16 +54,6 @@ def drop_empty_stacks(run_dir: Path, pids: list[int] | None = None) -> None:
             folder.rmdir()
     except OSError:
         pass
-
-
-REJECTED = "rejected_checkpoints"  # checkpoints that failed verification or loading, kept for a post-mortem
-
-
-def local_root(local_dir: str, run_dir: Path) -> Path:
-    """This run's part of a node-local checkpoint directory (checkpoint.local_dir): runs sharing one RAM disk
-    never see each other's checkpoints. Each process keeps its own `process_<i>/` below it."""
-    run = Path(run_dir).resolve()
-    return Path(local_dir).expanduser() / f"{run.name}-{hashlib.sha256(str(run).encode()).hexdigest()[:8]}"
 
 
 def atomic_write(path: Path, data: str | bytes, *, durable: bool = False) -> None:

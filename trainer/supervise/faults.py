@@ -107,7 +107,7 @@ class FaultInjector:
 
     def bitflip(self, step: int) -> bool:
         """Whether to flip one bit in one replica's params before the update at `step` (silent data corruption:
-        trainer.core.integrity does it). Every process asks; the one holding that replica flips."""
+        trainer.core.replicas does it). Every process asks; the one holding that replica flips."""
         for i, f in self._all:
             if f.kind == "bitflip" and f.step == step and i not in self._fired:
                 self._record(f)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from trainer.config import Config, ConfigError, OptimConfig, RunbookConfig
-from trainer.observe import events
+from trainer.observe import checkpoint_files, events
 from trainer.observe.rundir import write_json
 from trainer.observe.tensorboard import Writer
 
@@ -114,15 +114,14 @@ def decide(history: list[dict], spike: dict, cfg: RunbookConfig) -> str:
 def rewind(run_dir: Path, began: int, tag: int) -> tuple[int, list[int]]:
     """Move every checkpoint at or after the step the spike began out of the way (the supervisor has no
     orbax: a rename is the whole operation); returns the step the run resumes from (0 = init)."""
-    ckpts = Path(run_dir) / "checkpoints"
-    steps = sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) if ckpts.is_dir() else []
+    ckpts = checkpoint_files.durable_dir(run_dir)
+    steps = checkpoint_files.committed_steps(ckpts)
     target = max((s for s in steps if s < began), default=0)
     moved = [s for s in steps if s > target]
-    if moved:
-        aside = Path(run_dir) / "rewound"
-        aside.mkdir(exist_ok=True)
-        for s in moved:
-            os.replace(ckpts / str(s), aside / f"{s}-{tag}")
+    for s in moved:
+        dest = checkpoint_files.rewound_path(run_dir, s, tag)
+        dest.parent.mkdir(exist_ok=True)
+        os.replace(ckpts / str(s), dest)
     return target, moved
 
 

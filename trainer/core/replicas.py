@@ -4,7 +4,7 @@ of its own buffers) and the copies of each shard are compared. And the `bitflip`
 replica differ, for tests and demos.
 
 A mismatch means some device computed or stored something wrong; the state can no longer be trusted, and
-the run goes back to its last verified checkpoint (trainer.supervise.integrity).
+the run goes back to its last verified checkpoint (trainer.supervise.replica_rewind).
 """
 
 from __future__ import annotations
