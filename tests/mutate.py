@@ -167,7 +167,7 @@ MUTATIONS = [
     M(
         "params_sha256_of_the_wrong_tree",
         "summary.json's params_sha256 hashes the optimizer state",
-        (("trainer/core/loop.py", 'digest = params_sha256(st["params"])', 'digest = params_sha256(st["opt_state"])'),),
+        (("trainer/core/endings.py", 'digest = params_sha256(st["params"])', 'digest = params_sha256(st["opt_state"])'),),
         ("tests/test_checkpoint.py::test_params_sha256_is_the_sha256_of_the_final_params",),
     ),
     M(
