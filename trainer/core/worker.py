@@ -24,11 +24,11 @@ from trainer.core.integrity import ReplicaCheck
 from trainer.core.model import GPT
 from trainer.observe import alerts, rundir
 from trainer.observe.events import EventLog
+from trainer.observe.heartbeat import Heartbeat
 from trainer.observe.spikes import SpikeDetector
 from trainer.observe.tensorboard import Writer
 from trainer.supervise import runbook
 from trainer.supervise.faults import FaultInjector
-from trainer.supervise.heartbeat import Heartbeat
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,10 +15,9 @@ import time
 from pathlib import Path
 
 from trainer.config import Config, ConfigError, load_config
-from trainer.observe import goodput, rundir
+from trainer.observe import goodput, heartbeat, rundir
 from trainer.observe.events import iter_events
 from trainer.observe.progress import fmt_duration
-from trainer.supervise import heartbeat
 
 TERMINAL = {
     "run_complete": "COMPLETE",

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.config import Config
-from trainer.observe import goodput, outcome, rundir
+from trainer.observe import goodput, heartbeat, outcome, rundir
 from trainer.observe.alerts import ALERTS
 from trainer.observe.events import EventLog, read_events
-from trainer.supervise import exit_codes, heartbeat, integrity, launcher, runbook
+from trainer.supervise import exit_codes, integrity, launcher, runbook
 from trainer.supervise.noise import is_library_noise
 
 
