@@ -234,6 +234,11 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     tree = read_yaml(path) if path else {}
     for o in overrides:
         set_dotted(tree, o)
+    return from_tree(tree)
+
+
+def from_tree(tree: dict) -> Config:
+    """A YAML tree (sections of keys; what it leaves out takes the defaults) as a validated Config."""
     cfg = build(Config, tree, "")
     validate(cfg)
     return cfg
