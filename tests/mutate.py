@@ -106,13 +106,13 @@ MUTATIONS = [
     M(
         "restore_timeout_is_step_timeout",
         "a hung restore is judged by the step timeout",
-        (("trainer/supervise/heartbeat.py", '"restore": sc.restore_timeout_s', '"restore": sc.step_timeout_s'),),
+        (("trainer/observe/heartbeat.py", '"restore": sc.restore_timeout_s', '"restore": sc.step_timeout_s'),),
         ("tests/test_supervisor.py::test_hangs_in_every_phase_are_detected_by_their_own_timeout_dumped_and_recovered",),
     ),
     M(
         "startup_timeout_is_step_timeout",
         "a worker hung while starting is judged by the step timeout",
-        (("trainer/supervise/heartbeat.py", '"startup": sc.startup_timeout_s,', '"startup": sc.step_timeout_s,'),),
+        (("trainer/observe/heartbeat.py", '"startup": sc.startup_timeout_s,', '"startup": sc.step_timeout_s,'),),
         ("tests/test_supervisor.py::test_hangs_in_every_phase_are_detected_by_their_own_timeout_dumped_and_recovered",),
     ),
     M(
@@ -120,7 +120,7 @@ MUTATIONS = [
         "a hung checkpoint write is judged by the step timeout",
         (
             (
-                "trainer/supervise/heartbeat.py",
+                "trainer/observe/heartbeat.py",
                 '"checkpoint": sc.checkpoint_timeout_s,',
                 '"checkpoint": sc.step_timeout_s,',
             ),
@@ -130,7 +130,7 @@ MUTATIONS = [
     M(
         "compile_timeout_is_step_timeout",
         "a hung compile is judged by the step timeout",
-        (("trainer/supervise/heartbeat.py", '"compile": sc.startup_timeout_s', '"compile": sc.step_timeout_s'),),
+        (("trainer/observe/heartbeat.py", '"compile": sc.startup_timeout_s', '"compile": sc.step_timeout_s'),),
         ("tests/test_supervisor.py::test_hangs_in_every_phase_are_detected_by_their_own_timeout_dumped_and_recovered",),
     ),
     M(
@@ -167,7 +167,13 @@ MUTATIONS = [
     M(
         "params_sha256_of_the_wrong_tree",
         "summary.json's params_sha256 hashes the optimizer state",
-        (("trainer/core/endings.py", 'digest = params_sha256(st["params"])', 'digest = params_sha256(st["opt_state"])'),),
+        (
+            (
+                "trainer/core/endings.py",
+                'digest = params_sha256(st["params"])',
+                'digest = params_sha256(st["opt_state"])',
+            ),
+        ),
         ("tests/test_checkpoint.py::test_params_sha256_is_the_sha256_of_the_final_params",),
     ),
     M(

@@ -60,9 +60,9 @@ def test_eval_never_changes_training_and_its_loss_falls(tmp_path, bpe, with_eval
 
     tb = _tensorboard(with_eval / "tb")
     assert [s.step for s in tb.Scalars("loss/eval")] == [10, 20, 30]
-    from trainer.observe import status
+    from trainer.observe import runview, status
 
-    line = next(ln for ln in status.render(status.load(with_eval)).splitlines() if ln.startswith("eval "))
+    line = next(ln for ln in status.render(runview.load(with_eval)).splitlines() if ln.startswith("eval "))
     assert f"loss {ev[30]['loss']:.4f}" in line and "at step 30" in line and f"down from {ev[20]['loss']:.4f}" in line
     # log.health=false: health collection and alerts are off (and, above, change nothing in training).
     for run, on in ((with_eval, True), (tmp_path / "off", False)):

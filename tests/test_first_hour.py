@@ -18,7 +18,7 @@ import pytest
 from conftest import MICRO, ROOT, TINY, child_env, events, run_trainer, sets, summary, trainer_cmd
 
 from trainer.__main__ import SUBCOMMANDS
-from trainer.observe import goodput, report, status
+from trainer.observe import goodput, report, runview, status
 
 DONE = ["train.steps=12", "checkpoint.every_steps=6", "log.report=true"]
 NOBODY = 65534
@@ -303,7 +303,7 @@ def test_report_plots_and_text_say_only_what_happened(done, tmp_path, monkeypatc
     assert not ax.child_axes and "MFU" not in ax.get_title() + " ".join(ax.get_legend_handles_labels()[1])
     # The report's text is status's text, and its goodput table the same ledger.
     md = (run.parent / f"report-{run.name}" / "report.md").read_text()
-    shown = status.render(status.load(run))
+    shown = status.render(runview.load(run))
     for prefix in ("restarts  0", "goodput   ", "step      12/12"):
         line = next(ln for ln in shown.splitlines() if ln.startswith(prefix)).split("heartbeat")[0]  # ages differ
         assert line in md, (line, md)

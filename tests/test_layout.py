@@ -1,9 +1,11 @@
 """The wall between the jax side and the rest: the supervisor, launcher, ledger, status, report, audit and
 simulator must keep working when the accelerator stack is broken, so they never import it. Each check runs
-in a fresh interpreter where jax and its neighbours cannot be imported at all."""
+in a fresh interpreter where jax and its neighbours cannot be imported at all. And the project's own imports
+run one way, down the wall (STYLE.md habit 13), read from the source."""
 
 from __future__ import annotations
 
+import ast
 import pkgutil
 import subprocess
 import sys
@@ -111,6 +113,65 @@ def test_supervisor_status_report_without_jax(tmp_path):
     assert out.returncode == 0 and "COMPLETE" in out.stdout, out.stderr[-2000:]
     out = _cli("report", str(run), "--out", str(tmp_path / "rep"))
     assert out.returncode == 0 and (tmp_path / "rep" / "goodput.png").is_file(), out.stderr[-2000:]
+
+
+# Imports run down the wall: a module may import its own package, or a unit of a lower rank; never one of its
+# own rank or above. corpus, supervise and survival share a rank, so none of them imports another: each stands
+# on observe and config alone (the jax side above may use any of them).
+RANK = {
+    "__init__": -1,  # trainer/__init__.py: the package docstring; imports nothing
+    "yamltree": 0,  # the YAML parser under config
+    "config": 1,  # imports yamltree and nothing else of the project
+    "observe": 2,  # the run dir's files, their writers and readers
+    "corpus": 3,
+    "supervise": 3,
+    "survival": 3,
+    "core": 4,  # the jax side
+    "__main__": 5,  # the CLI
+}
+
+
+def _unit(dotted: str) -> str:
+    """The wall's unit of a trainer module: its package under trainer/, or its top-level module's name."""
+    parts = dotted.split(".")
+    return "__init__" if len(parts) == 1 else parts[1]
+
+
+def _imported(module: str, is_package: bool, tree: ast.AST) -> list[tuple[ast.stmt, str]]:
+    """(statement, module) of every import of the project in a module's source, those inside functions too."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = module.split(".")[: len(module.split(".")) - node.level + is_package] if node.level else []
+            frm = ".".join(base + ([node.module] if node.module else []))
+            # `from trainer import config` imports trainer.config; `from trainer.observe import rundir` the package
+            out += [(node, f"{frm}.{a.name}") for a in node.names] if frm == "trainer" else [(node, frm)]
+    return [(node, m) for node, m in out if m == "trainer" or m.startswith("trainer.")]
+
+
+def upward_imports(root: Path) -> list[str]:
+    bad = []
+    for path in sorted((root / "trainer").rglob("*.py")):
+        rel = path.relative_to(root).with_suffix("")
+        module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        src = _unit(module)
+        for node, target in _imported(module, rel.name == "__init__", ast.parse(path.read_text(), str(path))):
+            dst = _unit(target)
+            if dst == src:
+                continue
+            where = f"{path.relative_to(root)}:{node.lineno} `{ast.unparse(node)}`"
+            if src not in RANK or dst not in RANK:
+                bad.append(f"{where}: {src if src not in RANK else dst} has no rank in RANK; give it one")
+            elif RANK[dst] >= RANK[src]:
+                bad.append(f"{where}: {src} (rank {RANK[src]}) may not import {dst} (rank {RANK[dst]})")
+    return bad
+
+
+def test_imports_run_down_the_wall():
+    bad = upward_imports(ROOT)
+    assert not bad, "imports going up (or across) the wall:\n" + "\n".join(bad)
 
 
 def test_no_module_is_a_haystack():

@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT, child_env, events, step_losses, trainer_cmd
 from test_first_hour import _figures
 
-from trainer.observe import goodput, status
+from trainer.observe import goodput, runview
 
 PNGS = ("loss.png", "grad_norm.png", "throughput.png", "goodput.png")
 # The worker kills itself with SIGUSR2 at step 12 (the `signal` fault; restart from the step-10 checkpoint),
@@ -40,7 +40,7 @@ def _steps_after_restart(run: Path) -> int:
     except OSError:
         return 0
     evs = [json.loads(x) for x in lines if x.strip().endswith("}")]
-    starts = [i for i, e in enumerate(evs) if e["event"] in status.ATTEMPT_START]
+    starts = [i for i, e in enumerate(evs) if e["event"] in runview.ATTEMPT_START]
     if len(starts) < 2:
         return 0
     return max((e["step"] for e in evs[starts[-1] :] if e["event"] == "step"), default=0)
@@ -81,7 +81,7 @@ def test_status_and_report_while_running_and_after_restarts(tmp_path, monkeypatc
     _check_pngs(run / "report")
     md = (run / "report" / "report.md").read_text()
     assert "COMPLETE" in md and "restart" in md and "![loss.png](loss.png)" in md
-    assert status.steady_step_s(run) > 0
+    assert runview.steady_step_s(run) > 0
     (died,) = [e for e in events(run) if e["event"] == "worker_exit" and e.get("signal")]
     assert died["signal"] == "SIGUSR2" and died["step"] == 12, died  # the signal the fault names
     _report_shows_the_run(run, monkeypatch)
@@ -95,7 +95,7 @@ def _report_shows_the_run(run: Path, monkeypatch) -> None:
     series = [ln for ln in ax.get_lines() if ln.get_color() == "tab:blue"]
     by_attempt: list[dict] = []  # step -> loss, per worker attempt (each begins with init or restore)
     for e in events(run):
-        if e["event"] in status.ATTEMPT_START:
+        if e["event"] in runview.ATTEMPT_START:
             by_attempt.append({})
         elif e["event"] == "step":
             by_attempt[-1][e["step"]] = e["loss"]
@@ -106,7 +106,7 @@ def _report_shows_the_run(run: Path, monkeypatch) -> None:
     restarts = [ln.get_xdata()[0] for ln in ax.get_lines() if ln.get_label() == "restart"]
     assert restarts == [12], [(ln.get_label(), ln.get_xdata()) for ln in ax.get_lines()]
     (ax,) = figs["goodput.png"].axes
-    led = status.ledger_now(status.load(run), False)["goodput"]["seconds"]
+    led = runview.ledger_now(runview.load(run), False)["goodput"]["seconds"]
     bars = [round(p.get_width(), 6) for p in ax.patches]
     assert bars == [round(led[k], 6) for k in goodput.CATEGORIES if led[k] >= 0.05], (bars, led)
     assert ax.get_title().endswith("(1 restart)") and led["restart"] > 0 and led["recompute"] > 0

@@ -126,6 +126,23 @@ class IntegrityConfig:
     replica_check_steps: int = 0  # compare data-parallel copies of the params every N steps and before saves; 0 = off
 
 
+# faults[].kind and faults[].phase (where hang and slow fire); trainer.supervise.faults fires them
+FAULT_KINDS = (
+    "crash",
+    "hang",
+    "crash_mid_save",
+    "slow",
+    "slow_save",
+    "signal",
+    "ecc",
+    "nan",
+    "spike",
+    "bitflip",
+    "startup",
+)
+FAULT_PHASES = ("step", "startup", "restore", "compile", "checkpoint")
+
+
 @dataclass
 class Fault:
     kind: str  # crash | hang | crash_mid_save | slow | slow_save | signal | ecc | nan | spike | bitflip | startup
@@ -217,6 +234,11 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     tree = read_yaml(path) if path else {}
     for o in overrides:
         set_dotted(tree, o)
+    return from_tree(tree)
+
+
+def from_tree(tree: dict) -> Config:
+    """A YAML tree (sections of keys; what it leaves out takes the defaults) as a validated Config."""
     cfg = build(Config, tree, "")
     validate(cfg)
     return cfg
@@ -311,11 +333,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.stop_at_step ({cfg.train.stop_at_step}) is past train.steps ({cfg.train.steps})")
     if not cfg.run.dir:
         raise ConfigError("run.dir must be set (e.g. --set run.dir=runs/mine)")
-    from trainer.supervise.faults import FAULT_PHASES, KINDS  # local: faults imports config
-
     for i, f in enumerate(cfg.faults):
-        if f.kind not in KINDS:
-            raise ConfigError(f"faults[{i}].kind must be one of {', '.join(KINDS)}, got {f.kind!r}")
+        if f.kind not in FAULT_KINDS:
+            raise ConfigError(f"faults[{i}].kind must be one of {', '.join(FAULT_KINDS)}, got {f.kind!r}")
         if f.step < 0:
             raise ConfigError(f"faults[{i}].step must be >= 0, got {f.step}")
         if f.phase not in FAULT_PHASES or (f.phase != "step" and f.kind not in ("hang", "slow")):

@@ -20,15 +20,15 @@ from trainer.config import FROZEN_KEYS, Config, ConfigError, dump_yaml, to_dict
 from trainer.core import data, optim, tiers, weights
 from trainer.core import mesh as mesh_lib
 from trainer.core import state as state_lib
-from trainer.core.replicas import ReplicaCheck
 from trainer.core.model import GPT
+from trainer.core.replicas import ReplicaCheck
 from trainer.observe import alerts, rundir
 from trainer.observe.events import EventLog
+from trainer.observe.heartbeat import Heartbeat
 from trainer.observe.spikes import SpikeDetector
 from trainer.observe.tensorboard import Writer
 from trainer.supervise import runbook
 from trainer.supervise.faults import FaultInjector
-from trainer.supervise.heartbeat import Heartbeat
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,9 +15,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import yaml
-
-from trainer.observe import checkpoint_files, manifest, rundir
+from trainer.config import ConfigError
+from trainer.observe import checkpoint_files, manifest, runview
 from trainer.observe.progress import fmt_duration
 
 
@@ -34,8 +33,8 @@ class Entry:
 
 def _local_dirs(run_dir: Path) -> list[tuple[str, Path]]:
     try:
-        cfg = yaml.safe_load((run_dir / rundir.CONFIG).read_text()) or {}
-    except (OSError, yaml.YAMLError):
+        cfg = runview.saved_config(run_dir) or {}
+    except ConfigError:
         return []
     local = (cfg.get("checkpoint") or {}).get("local_dir") or ""
     if not local:

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
-from trainer.config import FROZEN_KEYS, Config, to_dict
-from trainer.observe import checkpoint_files, goodput, rundir
+from trainer.config import FROZEN_KEYS, Config, ConfigError, to_dict
+from trainer.observe import checkpoint_files, goodput, rundir, runview
 from trainer.observe.events import events_newest_first, read_events
-from trainer.observe.status import fmt_loss
+from trainer.observe.progress import fmt_loss
 
 # What must match the run dir's config.yaml for "already finished" to be the answer; any other change to
 # these goes to the worker, which refuses it (or, for data, compares the corpus fingerprint).
@@ -107,8 +105,10 @@ def finished(cfg: Config) -> str | None:
 
 def _same_run(run_dir: Path, cfg: Config) -> bool:
     try:
-        saved = yaml.safe_load((run_dir / rundir.CONFIG).read_text())
-    except (OSError, ValueError, yaml.YAMLError):
+        saved = runview.saved_config(run_dir)
+    except ConfigError:
+        saved = None
+    if saved is None:
         return False  # cannot tell: the worker compares with the checkpoint's own record (and rewrites it)
     now, missing = to_dict(cfg), object()
 

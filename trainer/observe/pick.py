@@ -12,10 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from trainer.config import ConfigError
-from trainer.observe import checkpoint_files, manifest, rundir, status
+from trainer.observe import checkpoint_files, manifest, runview
 
 
 @dataclass(frozen=True)
@@ -42,10 +40,10 @@ def steps(run_dir: Path) -> list[int]:
 def live_pid(run_dir: Path) -> int | None:
     """The pid of the process training this run dir now (as `status` tells it), or None."""
     try:
-        view = status.load(run_dir)
+        view = runview.load(run_dir)
     except ConfigError:  # no events.jsonl: checkpoints copied here without their run
         return None
-    if not status.run_state(view)[1]:
+    if not runview.run_state(view)[1]:
         return None
     starts = [e for e in view.events if e["event"] in ("supervisor_start", "session_start")]
     return (starts[-1] if starts else {}).get("pid") or (view.heartbeat or {}).get("pid")
@@ -54,9 +52,9 @@ def live_pid(run_dir: Path) -> int | None:
 def _saved_with_manifests(run_dir: Path | None) -> bool:
     """checkpoint.verify of the run (from its config.yaml); a step dir on its own is judged by its files."""
     try:
-        cfg = yaml.safe_load((Path(run_dir) / rundir.CONFIG).read_text()) or {}
+        cfg = runview.saved_config(run_dir) or {}
         return bool((cfg.get("checkpoint") or {}).get("verify", True))
-    except (OSError, TypeError, yaml.YAMLError, AttributeError):
+    except (ConfigError, TypeError, AttributeError):
         return True
 
 

@@ -1,13 +1,18 @@
-"""The console progress line (step, loss, tokens/s, ETA) and the duration format every report shares."""
+"""The console progress line (step, loss, tokens/s, ETA) and the duration and loss formats every report shares."""
 
 from __future__ import annotations
 
+import math
 import sys
 
 
 def fmt_duration(s: float) -> str:
     s = max(int(s), 0)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def fmt_loss(v) -> str:
+    return f"{v:.4f}" if v is not None and math.isfinite(v) else "not finite (NaN/Inf)"
 
 
 class Progress:

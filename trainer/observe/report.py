@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from trainer.config import ConfigError
-from trainer.observe import goodput, status
+from trainer.observe import goodput, runview, status
 from trainer.observe.alerts import ALERTS
 
 # event -> (label, colour, line style) of the vertical markers drawn on the series plots
@@ -41,7 +41,7 @@ def _attempts(events: list[dict]) -> list[list[dict]]:
     """Step records split into worker attempts: a restart's recomputed steps draw as their own line."""
     out: list[list[dict]] = []
     for e in events:
-        if e["event"] in status.ATTEMPT_START or not out:
+        if e["event"] in runview.ATTEMPT_START or not out:
             out.append([])
         if e["event"] == "step":
             out[-1].append(e)
@@ -102,7 +102,7 @@ def _alert_spans(ax, events: list[dict], kind: str, colour: str) -> None:
         if e["event"] == "alert" and e["kind"] == kind:
             start = e["step"]
         elif start is not None and (
-            e["event"] == "alert_cleared" and e["kind"] == kind or e["event"] in status.ATTEMPT_START
+            e["event"] == "alert_cleared" and e["kind"] == kind or e["event"] in runview.ATTEMPT_START
         ):
             ax.axvspan(
                 start,
@@ -116,10 +116,10 @@ def _alert_spans(ax, events: list[dict], kind: str, colour: str) -> None:
         ax.axvspan(start, last_step, color=colour, alpha=0.15, label=None if labelled else f"alert: {kind} (open)")
 
 
-def plot_loss(v: status.RunView, plt, out: Path) -> None:
+def plot_loss(v: runview.RunView, plt, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     drawn = _series(ax, _attempts(v.events), "loss", label="train loss", colour="tab:blue")
-    if evals := status.latest_evals(v.events):
+    if evals := runview.latest_evals(v.events):
         xs = sorted(evals)
         ax.plot(
             xs, [evals[k]["loss"] for k in xs], "o-", color="tab:orange", lw=1.5, ms=4, label="eval loss (held out)"
@@ -131,7 +131,7 @@ def plot_loss(v: status.RunView, plt, out: Path) -> None:
     _save(fig, plt, out)
 
 
-def plot_grad_norm(v: status.RunView, plt, out: Path) -> None:
+def plot_grad_norm(v: runview.RunView, plt, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     attempts = _attempts(v.events)
     _series(ax, attempts, "grad_norm", label="grad norm (before clipping)", colour="tab:red", log=True)
@@ -145,7 +145,7 @@ def plot_grad_norm(v: status.RunView, plt, out: Path) -> None:
     _save(fig, plt, out)
 
 
-def plot_throughput(v: status.RunView, plt, out: Path) -> None:
+def plot_throughput(v: runview.RunView, plt, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     attempts = _attempts(v.events)
     rec = next((r for a in attempts for r in a if r.get("mfu") and r["tokens_per_s"]), None)
@@ -186,7 +186,7 @@ def plot_goodput(led: dict, restarts: int, plt, out: Path, *, resumes: int = 0) 
     _save(fig, plt, out)
 
 
-def _markdown(v: status.RunView, led: dict, pngs: list[str]) -> str:
+def _markdown(v: runview.RunView, led: dict, pngs: list[str]) -> str:
     alerts = [e for e in v.events if e["event"] == "alert"]
     lines = [
         "# Run report",
@@ -229,11 +229,11 @@ def write(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     matplotlib.use("Agg")  # files only: no display on a cluster node
     import matplotlib.pyplot as plt
 
-    v = status.load(run_dir)
+    v = runview.load(run_dir)
     out = Path(out_dir) if out_dir else v.run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
-    _, live = status.run_state(v)
-    led = status.ledger_now(v, live)
+    _, live = runview.run_state(v)
+    led = runview.ledger_now(v, live)
     restarts = sum(e["event"] == "restart" for e in v.events)
     resumes = max(sum(e["event"] in goodput.SESSION_START for e in v.events) - 1, 0)
     plot_loss(v, plt, out / "loss.png")

@@ -1,7 +1,8 @@
 """Built-in fault injection, driven by the config's `faults` list and off by default.
 
 Each fault fires at most once per run: it is recorded in the run dir (fsynced) before it fires, so
-the restart it causes does not trigger it again.
+the restart it causes does not trigger it again. The kinds and phases a config may name are declared with
+the config (trainer.config.FAULT_KINDS, FAULT_PHASES).
 """
 
 from __future__ import annotations
@@ -14,10 +15,6 @@ from pathlib import Path
 
 from trainer.config import Fault
 from trainer.observe.rundir import write_json
-
-KINDS = ("crash", "hang", "crash_mid_save", "slow", "slow_save", "signal", "ecc", "nan", "spike", "bitflip", "startup")
-# Where hang and slow faults fire: a step (the default), or the worker's other heartbeat phases.
-FAULT_PHASES = ("step", "startup", "restore", "compile", "checkpoint")
 
 
 class InjectedStartupError(RuntimeError):

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.config import Config
-from trainer.observe import goodput, outcome, rundir
+from trainer.observe import goodput, heartbeat, outcome, rundir
 from trainer.observe.alerts import ALERTS
 from trainer.observe.events import EventLog, read_events
-from trainer.supervise import exit_codes, heartbeat, launcher, replica_rewind, runbook
+from trainer.supervise import exit_codes, launcher, replica_rewind, runbook
 from trainer.supervise.noise import is_library_noise
 
 
@@ -227,7 +227,9 @@ class Supervisor:
                 return self._give_up(code, step, "a checkpoint could not be written", att, t0, restarts)
             reason = "hang" if att.hang else f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             if code == exit_codes.REPLICA_MISMATCH:  # silent data corruption: back to a checked state, then restart
-                print(f"supervisor: {replica_rewind.rewind(self.run_dir, self.events.write, tag=number)}", file=sys.stderr)
+                print(
+                    f"supervisor: {replica_rewind.rewind(self.run_dir, self.events.write, tag=number)}", file=sys.stderr
+                )
                 reason = "replica mismatch"
             # A crash loop is the same step failing again and again; random faults land elsewhere.
             same_step_failures = same_step_failures + 1 if step == last_fail_step else 1

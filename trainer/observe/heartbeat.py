@@ -1,6 +1,7 @@
 """Worker heartbeats: a tiny JSON file per process with step, phase and time, replaced atomically.
 
-The supervisor (which never imports jax) reads them to tell a slow phase from a hang.
+The worker writes them; the supervisor (which never imports jax) reads them to tell a slow phase from a
+hang, and `status` to show the last beat and whether it is overdue. A run-dir record, so it lives in observe.
 """
 
 from __future__ import annotations
