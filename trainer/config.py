@@ -140,7 +140,7 @@ FAULT_KINDS = (
     "bitflip",
     "startup",
 )
-FAULT_PHASES = ("step", "startup", "restore", "compile", "checkpoint")
+FAULT_PHASES = ("step", "startup", "restore", "compile", "checkpoint", "eval")
 
 
 @dataclass
@@ -148,7 +148,7 @@ class Fault:
     kind: str  # crash | hang | crash_mid_save | slow | slow_save | signal | ecc | nan | spike | bitflip | startup
     step: int  # startup: ignored (it fires while the worker starts, before any step)
     seconds: float = 0.0  # slow: extra seconds per step; slow_save: extra seconds to commit the durable save
-    phase: str = "step"  # hang, slow: the phase they fire in: step | startup | restore | compile | checkpoint
+    phase: str = "step"  # hang, slow: the phase they fire in: step | startup | restore | compile | checkpoint | eval
     count: int = 1  # slow: how many steps; ecc: simulated ECC errors added per step from `step` on
     signal: str = "SIGKILL"  # signal: which one the worker sends itself
     scale: float = 1000.0  # spike: multiply the LR by this for the one update at `step`
@@ -165,6 +165,7 @@ class SupervisorConfig:
     restore_timeout_s: float = 600.0
     step_timeout_s: float = 120.0
     checkpoint_timeout_s: float = 600.0
+    eval_timeout_s: float = 600.0  # heartbeat silence allowed during a held-out eval (eval.every_steps)
     poll_s: float = 0.5
 
 
@@ -298,6 +299,7 @@ def validate(cfg: Config) -> None:
         "mesh.tensor",
         "supervisor.crash_loop_restarts",
         "supervisor.step_timeout_s",
+        "supervisor.eval_timeout_s",
         "supervisor.poll_s",
         "log.health_every_s",
         "alerts.grad_window",

@@ -311,8 +311,11 @@ def _bitflip(st, step: int):
 
 
 def _eval(w: Worker, ev: evaluate.Evaluator, st, step: int) -> float:
-    """The held-out loss after `step` updates: event `eval` and TensorBoard loss/eval."""
+    """The held-out loss after `step` updates: event `eval` and TensorBoard loss/eval. A heartbeat phase of
+    its own (supervisor.eval_timeout_s): a long eval is no hung step."""
+    _enter(w, "eval", step)
     r = ev.run(st["params"])
+    w.heartbeat.beat("step", step)
     w.events.write("eval", step=step, **r)
     w.scalars.add(step, {"loss/eval": r["loss"], "loss/eval_perplexity": r["perplexity"]})
     return r["seconds"]

@@ -14,7 +14,7 @@ from trainer.config import SupervisorConfig
 from trainer.observe.events import NO_SPACE
 from trainer.observe.rundir import read_json, write_json
 
-PHASES = ("startup", "restore", "compile", "step", "checkpoint", "done")
+PHASES = ("startup", "restore", "compile", "step", "eval", "checkpoint", "done")
 
 
 def phase_timeout(sc: SupervisorConfig, phase: str) -> float:
@@ -24,6 +24,7 @@ def phase_timeout(sc: SupervisorConfig, phase: str) -> float:
         "compile": sc.startup_timeout_s,
         "restore": sc.restore_timeout_s,
         "checkpoint": sc.checkpoint_timeout_s,
+        "eval": sc.eval_timeout_s,
         "done": sc.checkpoint_timeout_s,
     }.get(phase, sc.step_timeout_s)
 
