@@ -40,7 +40,7 @@ class _Bench:
         mesh = mesh_lib.make_mesh(cfg.mesh)
         self.spec = state_lib.build(
             GPT(cfg.model),
-            optim.make_optimizer(cfg.optim, cfg.train.steps),
+            optim.make_optimizer(cfg.optim, cfg.train.steps, cfg.model),
             mesh,
             seed=cfg.run.seed,
             seq_len=cfg.model.seq_len,

@@ -33,7 +33,7 @@ def _one(overrides: list[str]) -> dict:
     mesh = mesh_lib.make_mesh(cfg.mesh)
     spec = state_lib.build(
         GPT(cfg.model),
-        optim.make_optimizer(cfg.optim, cfg.train.steps),
+        optim.make_optimizer(cfg.optim, cfg.train.steps, cfg.model),
         mesh,
         seed=cfg.run.seed,
         seq_len=cfg.model.seq_len,

@@ -61,7 +61,7 @@ def _bare_setup(compile_cache: str):
     mesh = mesh_lib.make_mesh(cfg.mesh)
     spec = state_lib.build(
         GPT(cfg.model),
-        optim.make_optimizer(cfg.optim, cfg.train.steps),
+        optim.make_optimizer(cfg.optim, cfg.train.steps, cfg.model),
         mesh,
         seed=cfg.run.seed,
         seq_len=cfg.model.seq_len,

@@ -312,8 +312,8 @@ for run in sys.argv[1:]:
     step_dir = max((Path(run) / "checkpoints").glob("[0-9]*"), key=lambda p: int(p.name))
     cfg = build(Config, weights.read_meta(step_dir)["config"], "")
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-    spec = state.build(GPT(cfg.model), optim.make_optimizer(cfg.optim, cfg.train.steps), mesh, seed=cfg.run.seed,
-                       seq_len=cfg.model.seq_len)
+    tx = optim.make_optimizer(cfg.optim, cfg.train.steps, cfg.model)
+    spec = state.build(GPT(cfg.model), tx, mesh, seed=cfg.run.seed, seq_len=cfg.model.seq_len)
     st = checkpoint.Checkpointer(Path(run) / "checkpoints", cfg.checkpoint, read_only=True).restore(
         int(step_dir.name), spec.abstract).state  # the trainer's own resume: every array sharded over the mesh
     assert len(st["params"]["wte"].sharding.device_set) == 8

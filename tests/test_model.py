@@ -1,7 +1,7 @@
 """The GPT itself: causal, finite in bf16 and under every remat policy, logits shaped (B, L, V), bias
 gradients the plain sum, save_dots keeping the attention output; its param tree (names, shapes, logical
 axes) is the one model.py documents, with or without biases, scanned or unrolled, and both compute the
-same function."""
+same function and get weight decay on the same matrices."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ import numpy as np
 import optax
 import pytest
 
-from trainer.config import ModelConfig
+from trainer.config import ModelConfig, OptimConfig
 from trainer.core.layers import add_bias
 from trainer.core.model import GPT, REMAT_POLICIES, flops_per_token
+from trainer.core.optim import make_optimizer
 
 CFG = ModelConfig(vocab_size=384, seq_len=32, d_model=64, n_layers=2, n_heads=4)
 
@@ -120,6 +121,30 @@ def test_scanned_and_unrolled_layers_compute_the_same_function():
     tokens = jax.random.randint(jax.random.key(3), (2, L), 0, 256)
     a, b = model.apply({"params": params}, tokens), unrolled.apply({"params": as_unrolled}, tokens)
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+# The matrices that multiply activations; never a norm's scale, a bias or the positional table.
+DECAYED = {"wte", "blocks/qkv/kernel", "blocks/proj/kernel", "blocks/fc/kernel", "blocks/out/kernel"}
+
+
+def _decay_split(cfg) -> tuple[set[str], set[str]]:
+    """(decayed, kept) param paths under the real optimizer, `block_{i}/` written as the scanned `blocks/`:
+    with zero gradients Adam's step is zero, so only weight decay moves a param."""
+    shapes = jax.eval_shape(lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, L), jnp.int32))["params"])
+    params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), nn.meta.unbox(shapes))
+    tx = make_optimizer(OptimConfig(warmup_steps=0), 10, cfg)  # no warmup: the first step's lr is not 0
+    updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    decayed, kept = set(), set()
+    for k, u in _flat(updates).items():
+        (decayed if np.any(u != 0) else kept).add(re.sub(r"^block_\d+/", "blocks/", k))
+    return decayed, kept
+
+
+@pytest.mark.parametrize("scan, tie", [(True, True), (False, True), (True, False)])
+def test_weight_decay_reaches_the_same_matrices_scanned_or_unrolled(scan, tie):
+    decayed, kept = _decay_split(dataclasses.replace(CFG, scan=scan, tie_embeddings=tie))
+    assert decayed == (DECAYED if tie else DECAYED | {"lm_head"}), sorted(decayed)
+    assert not decayed & kept  # unrolled: every layer alike
 
 
 def test_bias_gradient_is_the_sum_over_broadcast_axes_in_fp32():

@@ -83,7 +83,7 @@ class OptimConfig:
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
-    weight_decay: float = 0.1  # applied to matrices only (not norms, biases)
+    weight_decay: float = 0.1  # on the matrices that multiply activations (optim.DECAY_AXIS): not norms, biases, wpe
     clip_norm: float = 1.0  # global-norm gradient clipping
 
 

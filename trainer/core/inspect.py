@@ -118,7 +118,7 @@ def compile_for(cfg: Config, devices: list):
     mesh = Mesh(np.array(devices).reshape(shape), mesh_lib.AXES)
     spec = state_lib.build(
         GPT(cfg.model),
-        optim.make_optimizer(cfg.optim, cfg.train.steps),
+        optim.make_optimizer(cfg.optim, cfg.train.steps, cfg.model),
         mesh,
         seed=cfg.run.seed,
         seq_len=cfg.model.seq_len,

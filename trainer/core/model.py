@@ -219,6 +219,13 @@ class GPT(nn.Module):
         return nn.with_logical_constraint(logits_BLV, ("batch", "seq", "vocab"))
 
 
+def param_axes(model: GPT):
+    """Each param's logical axis names (a PartitionSpec per leaf; "layers" first under `model.scan`), read off
+    an abstract init: no FLOPs, no memory."""
+    tokens = jnp.zeros((1, model.cfg.seq_len), jnp.int32)
+    return nn.get_partition_spec(jax.eval_shape(lambda: model.init(jax.random.key(0), tokens)["params"]))
+
+
 def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
     """Training FLOPs per token: 6 x non-embedding params (fwd + bwd) plus attention scores."""
     n_embed = cfg.seq_len * cfg.d_model  # positional table is a lookup, not a matmul

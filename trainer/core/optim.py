@@ -1,4 +1,5 @@
-"""The optax chain: global-norm clipping, then AdamW on a warmup + cosine schedule.
+"""The optax chain: global-norm clipping, then AdamW on a warmup + cosine schedule, decaying the weight
+matrices that multiply activations (which ones: read off the params' logical axes, DECAY_AXIS).
 
 LR scale, clip norm and b2 are injected hyperparameters: they live in the optimizer state, so the
 loss-spike runbook can soften them on resume without a new compile, and they are checkpointed.
@@ -10,7 +11,17 @@ import jax
 import numpy as np
 import optax
 
-from trainer.config import OptimConfig
+from trainer.config import ModelConfig, OptimConfig
+from trainer.core.model import GPT, param_axes
+
+# Weight decay goes to the matrices that multiply activations: the attention and MLP kernels and the token
+# embedding, which is also the LM head when tied (untied, lm_head and wte are both decayed, as GPT-2-style
+# recipes do). Each of them reads or writes the residual stream, so its logical axes name "embed"; norm
+# scales and biases never do (a D-sized bias is named "norm"). The positional table names "embed" too but is
+# added to activations, not multiplied with them: its "seq" axis leaves it out. Axes decide, not rank: under
+# model.scan every param gains a leading "layers" axis, and scanned and unrolled models must decay alike.
+DECAY_AXIS = "embed"
+NO_DECAY_AXES = frozenset({"seq"})
 
 
 def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -24,13 +35,20 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     )
 
 
-def _decay_mask(params):
-    # Weight decay on matrices only; norms, biases and the positional table's rows stay undecayed.
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+def _decays(axes) -> bool:
+    names = set(axes)
+    return DECAY_AXIS in names and names.isdisjoint(NO_DECAY_AXES)
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+def decay_mask(model_cfg: ModelConfig):
+    """True for each param that weight decay reaches (a pytree shaped like the params, unboxed)."""
+    return jax.tree.map(_decays, param_axes(GPT(model_cfg)))
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int, model_cfg: ModelConfig) -> optax.GradientTransformation:
     sched = schedule(cfg, total_steps)
+    # A fixed pytree, not a function of the params: the step's params are unboxed and carry no axis names.
+    mask = decay_mask(model_cfg)
 
     def chain(lr_scale, clip_norm, b2):
         return optax.chain(
@@ -41,7 +59,7 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
                 b2=b2,
                 eps=cfg.eps,
                 weight_decay=cfg.weight_decay,
-                mask=_decay_mask,
+                mask=mask,
             ),
         )
 

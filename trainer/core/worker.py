@@ -238,7 +238,7 @@ def setup(cfg: Config) -> Worker:
     )
     _announce_changes(cfg, events, saved, microbatches, primary=primary)
     mesh = mesh_lib.make_mesh(cfg.mesh)
-    tx = optim.make_optimizer(cfg.optim, cfg.train.steps)
+    tx = optim.make_optimizer(cfg.optim, cfg.train.steps, cfg.model)
     spec = state_lib.build(GPT(cfg.model), tx, mesh, seed=cfg.run.seed, seq_len=cfg.model.seq_len)
     scalars = Writer(run_dir / rundir.TENSORBOARD, enabled=primary and cfg.log.tensorboard)
     if primary and not saved:
