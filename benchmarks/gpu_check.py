@@ -69,6 +69,24 @@ SMOKE_RUNS = {
 COMMON = ["log.report=false", "checkpoint.every_minutes=0", "supervisor.crash_loop_restarts=1"]
 
 
+class Budget:
+    """The check's time budget, enforced inside every wait: each wait gets the shorter of its own limit and
+    the time left, so a part that would overrun is stopped (its process killed) at the budget's end."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.deadline = seconds, time.time() + seconds
+
+    def left(self, cap: float) -> float:
+        """Seconds a wait may take: its own limit `cap`, or less when the budget ends sooner."""
+        left = self.deadline - time.time()
+        if left <= 0:
+            raise harness.BenchError(f"time budget of {self.seconds:.0f}s spent")
+        return min(cap, left)
+
+    def spent(self) -> bool:
+        return time.time() >= self.deadline
+
+
 def copy_bandwidth(nbytes: int) -> dict:
     """Device-to-host bytes/s the way Orbax copies a state: start every leaf's copy, then collect them."""
     import jax
@@ -104,7 +122,9 @@ def copy_bandwidth(nbytes: int) -> dict:
     }
 
 
-def _run_model(name: str, spec: tuple, work: Path, cache: Path, bw: float, *, env: dict, retry: list[str]) -> dict:
+def _run_model(
+    name: str, spec: tuple, work: Path, cache: Path, bw: float, *, env: dict, retry: list[str], budget: Budget
+) -> dict:
     config, overrides, steps, every = spec
     run_dir = work / name
     cmd = harness.trainer_cmd(
@@ -117,13 +137,13 @@ def _run_model(name: str, spec: tuple, work: Path, cache: Path, bw: float, *, en
         f"run.compile_cache={cache}",
     )
     try:
-        wall = harness.run(cmd, work / f"{name}.log", timeout=420, env=env)
+        wall = harness.run(cmd, work / f"{name}.log", timeout=budget.left(420), env=env)
     except harness.BenchError as e:
-        if not retry:
+        if not retry or budget.spent():
             raise
         shutil.rmtree(run_dir, ignore_errors=True)  # e.g. out of memory without remat: retry with it
         cmd += [a for o in retry for a in ("--set", o)]
-        wall = harness.run(cmd, work / f"{name}-retry.log", timeout=420, env=env)
+        wall = harness.run(cmd, work / f"{name}-retry.log", timeout=budget.left(420), env=env)
         overrides = overrides + retry + [f"(first try failed: {str(e).splitlines()[0][:200]})"]
     evs = harness.events(run_dir)
     warm = [e for e in harness.steps(evs) if e["step"] > min(20, steps // 2)]
@@ -150,7 +170,7 @@ def _run_model(name: str, spec: tuple, work: Path, cache: Path, bw: float, *, en
     return out
 
 
-def _bitwise(spec: tuple, work: Path, cache: Path, env: dict, smoke: bool) -> dict:
+def _bitwise(spec: tuple, work: Path, cache: Path, env: dict, smoke: bool, budget: Budget) -> dict:
     """Uninterrupted vs SIGKILLed-and-resumed (supervisor restart, warm cache), deterministic ops on."""
     config, overrides, _, _ = spec
     steps, every = (12, 4) if smoke else (30, 10)
@@ -166,12 +186,17 @@ def _bitwise(spec: tuple, work: Path, cache: Path, env: dict, smoke: bool) -> di
     ]
     straight = work / "bitwise-straight"
     harness.run(
-        harness.trainer_cmd(str(config), straight, *base), work / "bitwise-straight.log", timeout=300, env=det_env
+        harness.trainer_cmd(str(config), straight, *base),
+        work / "bitwise-straight.log",
+        timeout=budget.left(300),
+        env=det_env,
     )
     resumed = work / "bitwise-resumed"
     with harness.Proc(harness.trainer_cmd(str(config), resumed, *base), work / "bitwise-resumed.log", det_env) as p:
-        t_kill = recovery.kill_after(p, resumed, every, every + 2)
-        if p.wait(300) != 0:
+        # Killed only once checkpoint `every` is sealed: a kill between Orbax's commit and the seal would
+        # resume from scratch, and the check would compare nothing.
+        t_kill = recovery.kill_after(p, resumed, every, every + 2, timeout=budget.left(300))
+        if p.wait(budget.left(300)) != 0:
             raise harness.BenchError(f"resumed run failed\n{harness.tail(p.log)}")
     a, b = harness.summary(straight), harness.summary(resumed)
     steps_a = harness.steps(harness.events(straight))
@@ -191,7 +216,7 @@ def _bitwise(spec: tuple, work: Path, cache: Path, env: dict, smoke: bool) -> di
     return out
 
 
-def _inspect(spec: tuple, work: Path, env: dict, smoke: bool) -> dict:
+def _inspect(spec: tuple, work: Path, env: dict, smoke: bool, budget: Budget) -> dict:
     """`python -m trainer inspect` of the 1B run as configured above, compiled for this machine's devices."""
     config, overrides, _, _ = spec
     out = work / "inspect_1b.json"
@@ -207,7 +232,12 @@ def _inspect(spec: tuple, work: Path, env: dict, smoke: bool) -> dict:
         *[a for o in overrides for a in ("--set", o)],
     ]
     with open(out, "w") as fh:
-        code = subprocess.run(cmd, cwd=harness.ROOT, stdout=fh, stderr=subprocess.PIPE, text=True, env=env, timeout=600)
+        try:
+            code = subprocess.run(
+                cmd, cwd=harness.ROOT, stdout=fh, stderr=subprocess.PIPE, text=True, env=env, timeout=budget.left(600)
+            )
+        except subprocess.TimeoutExpired as e:  # subprocess.run has killed it
+            raise harness.BenchError(f"inspect timed out after {e.timeout:.0f}s") from None
     if code.returncode != 0:
         raise harness.BenchError(f"inspect failed: {code.stderr[-2000:]}")
     r = json.loads(out.read_text())
@@ -225,7 +255,7 @@ def _inspect(spec: tuple, work: Path, env: dict, smoke: bool) -> dict:
     }
 
 
-def _fsdp_vs_data(spec: tuple, work: Path, cache: Path, env: dict, devices: int, smoke: bool) -> dict:
+def _fsdp_vs_data(spec: tuple, work: Path, cache: Path, env: dict, devices: int, smoke: bool, budget: Budget) -> dict:
     """The 124M config over every device of this host, FSDP vs data parallel (same global batch)."""
     if devices < 2 and not smoke:
         return {"skipped": f"needs 2 or more GPUs, this host has {devices}"}
@@ -248,7 +278,7 @@ def _fsdp_vs_data(spec: tuple, work: Path, cache: Path, env: dict, devices: int,
             f"data.batch_size={8 * n}",
             f"run.compile_cache={cache}",
         )
-        harness.run(cmd, work / f"parallel-{name}.log", timeout=420, env=env)
+        harness.run(cmd, work / f"parallel-{name}.log", timeout=budget.left(420), env=env)
         warm = [e for e in harness.steps(harness.events(run_dir)) if e["step"] > steps // 2]
         out[name] = {
             "tokens_per_s": harness.median([e["tokens_per_s"] for e in warm]),
@@ -262,6 +292,7 @@ def _fsdp_vs_data(spec: tuple, work: Path, cache: Path, env: dict, devices: int,
 
 def check(work: Path, *, smoke: bool, budget_s: float) -> dict:
     t0 = time.time()
+    budget = Budget(budget_s)
     runs = SMOKE_RUNS if smoke else GPU_RUNS
     env = harness.child_env(XLA_PYTHON_CLIENT_MEM_FRACTION="0.92")
     cache = work / "compile-cache"
@@ -270,7 +301,7 @@ def check(work: Path, *, smoke: bool, budget_s: float) -> dict:
     harness.run(
         [sys.executable, "-m", "benchmarks.gpu_check", "--copy-bw", str(nbytes), str(out_bw)],
         work / "copy_bw.log",
-        timeout=120,
+        timeout=budget.left(120),
         env=env,
     )
     bw = json.loads(out_bw.read_text())
@@ -280,25 +311,35 @@ def check(work: Path, *, smoke: bool, budget_s: float) -> dict:
         (
             "gpt-1b",
             lambda: _run_model(
-                "gpt-1b", runs["gpt-1b"], work, cache, bw["bytes_per_s"], env=env, retry=["model.remat=save_dots"]
+                "gpt-1b",
+                runs["gpt-1b"],
+                work,
+                cache,
+                bw["bytes_per_s"],
+                env=env,
+                retry=["model.remat=save_dots"],
+                budget=budget,
             ),
         ),
         (
             "gpt2-124m",
-            lambda: _run_model("gpt2-124m", runs["gpt2-124m"], work, cache, bw["bytes_per_s"], env=env, retry=[]),
+            lambda: _run_model(
+                "gpt2-124m", runs["gpt2-124m"], work, cache, bw["bytes_per_s"], env=env, retry=[], budget=budget
+            ),
         ),
-        ("bitwise_resume", lambda: _bitwise(runs["gpt2-124m"], work, cache, env, smoke)),
-        ("inspect_1b", lambda: _inspect(runs["gpt-1b"], work, env, smoke)),
-        ("fsdp_vs_data", lambda: _fsdp_vs_data(runs["gpt2-124m"], work, cache, env, bw["devices"], smoke)),
+        ("bitwise_resume", lambda: _bitwise(runs["gpt2-124m"], work, cache, env, smoke, budget)),
+        ("inspect_1b", lambda: _inspect(runs["gpt-1b"], work, env, smoke, budget)),
+        ("fsdp_vs_data", lambda: _fsdp_vs_data(runs["gpt2-124m"], work, cache, env, bw["devices"], smoke, budget)),
     ]
     for name, fn in parts:
-        if time.time() - t0 > budget_s:
+        if budget.spent():
             result[name] = {"skipped": f"time budget of {budget_s:.0f}s spent"}
             continue
         try:
             result[name] = fn()
         except harness.BenchError as e:
-            result[name] = {"error": str(e)[-2000:]}
+            stopped = f"stopped: time budget of {budget_s:.0f}s spent during this part; " if budget.spent() else ""
+            result[name] = {"error": stopped + str(e)[-2000:]}
     det, fast = result.get("bitwise_resume", {}).get("step_s"), result.get("gpt2-124m", {}).get("step_s")
     if det and fast:
         result["deterministic_ops_step_time_ratio"] = det / fast
@@ -331,7 +372,10 @@ def main(argv: list[str]) -> int:
         help="result JSON (default: benchmarks/results/gpu.json on a GPU, stdout only with --cpu-smoke)",
     )
     p.add_argument(
-        "--budget-s", type=float, default=450.0, help="skip the remaining parts once this much time is spent"
+        "--budget-s",
+        type=float,
+        default=450.0,
+        help="stop the running part (its process killed) and skip the rest once this much time is spent",
     )
     args = p.parse_args(argv)
     if args.cpu_smoke:

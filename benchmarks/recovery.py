@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from benchmarks import harness
+from trainer.observe import manifest
 
 TARGET = 0.5
 
@@ -62,14 +63,29 @@ def _phases(evs: list[dict], t0: float, loaded: dict, out: dict) -> dict:
     return out
 
 
-def kill_after(proc: harness.Proc, run_dir: Path, ckpt_step: int, past: int) -> float:
-    """SIGKILL the worker once checkpoint `ckpt_step` is committed and the run is past step `past`."""
-    committed = run_dir / "checkpoints" / str(ckpt_step)
-    harness.wait_for(f"checkpoint {ckpt_step}", committed.is_dir, timeout=600, proc=proc)
+def wait_sealed(run_dir: Path, step: int, *, timeout: float, proc: harness.Proc | None = None) -> Path:
+    """Checkpoint `step`'s directory once it is committed (Orbax renamed it into place) and sealed (every
+    process's content manifest written, by a thread that runs after the commit). A resume restores only a
+    sealed checkpoint: one killed between commit and seal would start from an older one, or from scratch."""
+    step_dir = Path(run_dir) / "checkpoints" / str(step)
+    harness.wait_for(
+        f"checkpoint {step} committed and sealed",
+        lambda: step_dir.is_dir() and manifest.sealed(step_dir),
+        timeout=timeout,
+        proc=proc,
+    )
+    return step_dir
+
+
+def kill_after(proc: harness.Proc, run_dir: Path, ckpt_step: int, past: int, *, timeout: float = 600) -> float:
+    """SIGKILL the worker once checkpoint `ckpt_step` is sealed and the run is past step `past`; both waits
+    together take at most `timeout` seconds."""
+    deadline = time.time() + timeout
+    wait_sealed(run_dir, ckpt_step, timeout=timeout, proc=proc)
     hb = harness.wait_for(
         f"step {past}",
         lambda: (h := harness.heartbeat(run_dir)) and h["phase"] == "step" and h["step"] >= past and h,
-        timeout=600,
+        timeout=max(deadline - time.time(), 0.0),
         proc=proc,
         poll_s=0.01,
     )

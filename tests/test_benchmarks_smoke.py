@@ -6,6 +6,7 @@ mode). No timing is asserted: speed belongs in the benchmarks' own ratios.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -87,3 +88,66 @@ def test_data_headroom_runs(tmp_path):
     res = json.loads(out.read_text())
     assert res["data_headroom"] == res["pipeline_tokens_per_s"] / 1000.0
     assert res["pipeline"]["batches"] > 0 and res["gpu_124m_shape"]["batches"] > 0
+
+
+def test_kill_after_waits_for_the_checkpoint_to_be_sealed_not_only_committed(tmp_path):
+    """A real worker hangs at step 4 with checkpoint 2 committed and sealed; its manifests are moved aside (the
+    state between Orbax's commit and the sealing thread's manifest) and put back 2 s later. kill_after must
+    not kill before they are back: a worker killed there resumes from an older checkpoint, or from scratch."""
+    import threading
+    import time
+
+    from conftest import trainer_cmd
+
+    from benchmarks import harness
+    from trainer.observe import manifest
+
+    run = tmp_path / "run"
+    one = ["mesh.cpu_devices=1", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]
+    over = ["train.steps=8", "checkpoint.every_steps=2", *one, "faults=[{kind: hang, step: 4}]"]
+    step_dir, aside = run / "checkpoints" / "2", tmp_path / "aside"
+    restored: list[float] = []
+
+    def put_back():
+        time.sleep(2.0)
+        restored.append(time.time())
+        os.rename(aside, step_dir / manifest.DIR)  # atomic: the manifests appear at once, as sealing leaves them
+
+    with harness.Proc(trainer_cmd(run, *over, worker=True), tmp_path / "worker.log", child_env()) as proc:
+        harness.wait_for(
+            "the hang at step 4 with checkpoint 2 sealed",
+            lambda: (h := harness.heartbeat(run)) and h["step"] == 4 and manifest.sealed(step_dir),
+            timeout=240,
+            proc=proc,
+        )
+        os.rename(step_dir / manifest.DIR, aside)
+        assert step_dir.is_dir() and not manifest.sealed(step_dir)  # committed, not sealed
+        threading.Thread(target=put_back, daemon=True).start()
+        t_kill = recovery.kill_after(proc, run, 2, 4)
+        assert restored and t_kill >= restored[0], "killed before checkpoint 2 was sealed"
+        assert proc.wait(30) == -9 and manifest.sealed(step_dir)
+
+    os.rename(step_dir / manifest.DIR, aside)  # never sealed: the wait gives up at its timeout, naming it
+    t0 = time.time()
+    try:
+        recovery.wait_sealed(run, 2, timeout=1.5)
+        raise AssertionError("wait_sealed returned for an unsealed checkpoint")
+    except harness.BenchError as e:
+        assert str(e).startswith("timed out after 2s waiting for checkpoint 2 committed and sealed"), e
+    assert 1.5 <= time.time() - t0 < 5
+
+
+def test_gpu_check_stops_a_part_at_its_time_budget(tmp_path):
+    """gpu_check --cpu-smoke with a 25 s budget: the first part (a trainer run that takes longer) is killed
+    at the budget's end, not checked only between parts, and the rest are skipped."""
+    out = tmp_path / "gpu.json"
+    cmd = [sys.executable, "benchmarks/gpu_check.py", "--cpu-smoke", "--budget-s", "25", "--work", str(tmp_path)]
+    p = subprocess.run(
+        [*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env()
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    print({k: r[k] for k in ("wall_s", "gpt-1b", "gpt2-124m")})
+    assert r["wall_s"] < 25 + 10, r["wall_s"]  # the budget, plus killing the run and collecting the result
+    assert r["gpt-1b"]["error"].startswith("stopped: time budget of 25s spent during this part"), r["gpt-1b"]
+    assert all(r[k] == {"skipped": "time budget of 25s spent"} for k in ("gpt2-124m", "bitwise_resume")), r

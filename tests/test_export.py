@@ -270,6 +270,37 @@ def test_a_prepared_tokenizer_is_exported_and_sample_uses_it(bpe_export):
     assert got["text"] == tok.decode([i for i in got["new_ids"] if i != eos], skip_special_tokens=False)
 
 
+def test_export_creates_missing_parents_atomically_and_refuses_a_non_empty_out(bpe_export, tmp_path):
+    """The README's `--out exports/tiny` on a fresh clone: the missing parent is made and the directory appears
+    whole (nothing but it beside it afterwards); an existing non-empty --out, or a parent that is a file, is
+    refused in one line and nothing is written; a refused export creates no parent."""
+    run, _, first = bpe_export
+    out = tmp_path / "exports" / "nested" / "tiny"
+    assert export(run, out) == export_hashes(first)
+    assert [p.name for p in out.parent.iterdir()] == ["tiny"]  # no temp dir left beside it
+
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    p = cli("export", str(run), "--out", str(tmp_path / "full"))
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert (
+        p.stderr == f"error: --out {tmp_path / 'full'} exists and is not an empty directory; pick a new one "
+        "(nothing was written)\n"
+    )
+    assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
+
+    (tmp_path / "afile").write_text("")
+    p = cli("export", str(run), "--out", str(tmp_path / "afile" / "sub" / "tiny"))
+    assert p.returncode == 2 and p.stderr == (
+        f"error: --out {tmp_path / 'afile' / 'sub' / 'tiny'}: {tmp_path / 'afile'} is not a writable directory; "
+        "pick another --out\n"
+    ), p.stderr
+
+    p = cli("export", str(tmp_path / "no-such-run"), "--out", str(tmp_path / "unmade" / "tiny"))
+    assert p.returncode == 2 and p.stderr.startswith("error: ") and p.stderr.count("\n") == 1, p.stderr
+    assert not (tmp_path / "unmade").exists()
+
+
 def test_transformers_gpt2lmheadmodel_loads_the_export(exported, bpe_export, monkeypatch):
     """Skipped where torch and transformers are not installed, except under CI, which installs them."""
     try:

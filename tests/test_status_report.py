@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT, child_env, events, step_losses, trainer_cmd
 from test_first_hour import _figures
 
-from trainer.observe import goodput, runview
+from trainer.observe import goodput, report, runview
 
 PNGS = ("loss.png", "grad_norm.png", "throughput.png", "goodput.png")
 # The worker kills itself with SIGUSR2 at step 12 (the `signal` fault; restart from the step-10 checkpoint),
@@ -106,9 +106,10 @@ def _report_shows_the_run(run: Path, monkeypatch) -> None:
     restarts = [ln.get_xdata()[0] for ln in ax.get_lines() if ln.get_label() == "restart"]
     assert restarts == [12], [(ln.get_label(), ln.get_xdata()) for ln in ax.get_lines()]
     (ax,) = figs["goodput.png"].axes
-    led = runview.ledger_now(runview.load(run), False)["goodput"]["seconds"]
+    ledger = runview.ledger_now(runview.load(run), False)
+    led = ledger["goodput"]["seconds"]
     bars = [round(p.get_width(), 6) for p in ax.patches]
-    assert bars == [round(led[k], 6) for k in goodput.CATEGORIES if led[k] >= 0.05], (bars, led)
+    assert bars == [round(led[k], 6) for k in report.goodput_parts(ledger) if led[k] >= 0.05], (bars, led)
     assert ax.get_title().endswith("(1 restart)") and led["restart"] > 0 and led["recompute"] > 0
 
 
@@ -164,6 +165,59 @@ def test_the_goodput_ledger_puts_known_seconds_in_each_category():
     }, secs
     assert led["wall_s"] == 58.0 and led["recoveries_s"] == [10.0, 9.0]
     assert led["goodput"]["fractions"] == {k: v / 58.0 for k, v in secs.items()}
+
+
+def test_the_goodput_bar_and_table_run_largest_first_and_say_so(tmp_path, monkeypatch):
+    """The bar's parts are totals, not a timeline: drawn largest first, left to right, each starting where the
+    one before ends, the legend titled with that order, and report.md's table in the same order. The ledger
+    is goodput.ledger's own on a history where start-up (8 s) came first but is the third-largest share."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = 1000.0
+    history = [
+        {"event": "supervisor_start", "time": t},
+        *({"event": "step", "time": t + 8 + 2 * n, "step": n, "step_s": 2.0, "ckpt_block_s": 0.0} for n in (1, 2, 3)),
+        {"event": "worker_exit", "time": t + 15, "by": "supervisor", "exit_code": 13},
+        {"event": "step", "time": t + 30, "step": 4, "step_s": 2.0, "ckpt_block_s": 0.5},
+        {"event": "run_complete", "time": t + 32, "step": 4},
+    ]
+    led = goodput.ledger(history, t, t + 33)
+    secs = led["goodput"]["seconds"]
+    assert secs == {
+        "productive": 7.5,
+        "recompute": 0.0,
+        "checkpoint": 2.5,
+        "startup": 8.0,
+        "shutdown": 1.0,
+        "restart": 14.0,
+    }, secs
+    want = ["restart", "startup", "productive", "checkpoint", "shutdown"]  # recompute: 0 s, not drawn
+    figs = {}
+    monkeypatch.setattr(report, "_save", lambda fig, plt, out: figs.setdefault(Path(out).name, fig))
+    report.plot_goodput(led, 1, plt, tmp_path / "goodput.png")
+    (ax,) = figs["goodput.png"].axes
+    drawn = [(p.get_x(), p.get_width(), p.get_facecolor()) for p in ax.patches]
+    colour = matplotlib.colors.to_rgba
+    assert [(round(x, 6), round(w, 6)) for x, w, _ in drawn] == [
+        (0.0, 14.0),
+        (14.0, 8.0),
+        (22.0, 7.5),
+        (29.5, 2.5),
+        (32.0, 1.0),
+    ]
+    assert [c for *_, c in drawn] == [colour(report.GOODPUT_COLOURS[k]) for k in want]
+    legend = ax.get_legend()
+    assert [x.get_text().split()[0] for x in legend.get_texts()] == want
+    assert legend.get_title().get_text() == "parts largest first (totals, not a timeline)"
+    table = report.goodput_table(led)
+    assert "largest first" in table[2] and [row.split(" | ")[0].lstrip("| ") for row in table[6:]] == [
+        *want,
+        "recompute",
+    ]
+    plt.close("all")
 
 
 def test_status_on_a_dir_that_is_not_a_run(tmp_path):

@@ -136,6 +136,8 @@ def write(out: Path, loaded: weights.Loaded, tok: weights.RunTokenizer) -> list[
     cfg = loaded.model
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    # Missing parents are made here, after the checkpoint has loaded, so a refused export creates nothing;
+    # the temp dir sits beside `out`, on its filesystem, so the rename below is atomic.
     tmp.mkdir(parents=True)
     try:
         write_json(tmp / CONFIG, gpt2_config(cfg, tok.eos_id), indent=2)
@@ -167,15 +169,24 @@ def write(out: Path, loaded: weights.Loaded, tok: weights.RunTokenizer) -> list[
 def _check_out(out: Path) -> None:
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise ConfigError(f"--out {out} exists and is not an empty directory; pick a new one (nothing was written)")
+    # `out`'s missing parents are created by write() (`--out exports/tiny` on a fresh clone): what must be
+    # writable is the nearest ancestor that exists.
     parent = out.absolute().parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise ConfigError(f"--out {out}: {parent} is not a writable directory")
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out}: {parent} is not a writable directory; pick another --out")
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer export", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run dir (or one checkpoint: RUN_DIR/checkpoints/STEP)")
-    p.add_argument("--out", required=True, metavar="DIR", help="the model directory to create (new or empty)")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="the model directory to create (new or empty; missing parents are created)",
+    )
     p.add_argument(
         "--step",
         type=int,

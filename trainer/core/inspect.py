@@ -26,14 +26,20 @@ GPUS = {
 HOST_GPUS = 8  # devices per host: collectives whose groups span hosts are priced at the network's bandwidth
 MEM_FRACTION = 0.90  # of device memory XLA may use (launch/slurm.sbatch's XLA_PYTHON_CLIENT_MEM_FRACTION)
 
-HELP = """MFU ceilings (model FLOPs = the formula the training loop logs MFU with; peak = the GPU's dense
-bf16 figure): "compute" = model FLOPs / compiled matmul FLOPs, the MFU if every compiled matmul ran at peak
-and nothing else took time (remat recompute lowers it; it can pass 100%: the model FLOPs count the whole
-L x L attention, the usual convention, while XLA's attention path skips the blocks the causal mask hides,
-and a cuDNN kernel is no matmul in the HLO); "serial" also adds the collectives' time at the
-link's bandwidth (NVLink inside a host of 8, the network for groups that span hosts; all-reduce counted
-twice, as a ring moves it) as if none overlapped with compute.
-A real step lands below both: elementwise work, attention kernels and launch gaps are not counted.
+HELP = """MFU ceilings (peak = the GPU's dense bf16 figure). They count "useful" FLOPs: 6 per token for each
+param that enters a matmul (the kernels and the LM head; not norms, biases or the position table) plus
+attention's causal half (each query against the keys up to it), the least any exact causal step computes.
+"compute" = useful FLOPs / the step's matmul FLOPs (the compiled HLO's dots, plus the useful attention FLOPs
+when cuDNN's fused kernel runs it, a kernel being no matmul in the HLO): the MFU if every matmul ran at peak
+and nothing else took time. It cannot pass 100%; remat recompute and attention work the mask throws away
+lower it (XLA's path computes the blocks on and below the diagonal, 5/8 of L x L). "serial" also adds the
+collectives' time at the link's bandwidth (NVLink inside a host of 8, the network for groups that span
+hosts; all-reduce counted twice, as a ring moves it) as if none overlapped with compute.
+The MFU the training loop logs uses the usual model-FLOPs formula (6 x params plus the whole L x L
+attention, as PaLM counts it): the same step at the same speed reads "model / useful" times this scale, so
+it can read above these ceilings, even above 100% (the L x L counts about 3/8 more attention work than
+XLA's blocked path and twice the causal half).
+A real step lands below both ceilings: elementwise work, attention kernels and launch gaps are not counted.
 On fake CPU devices the memory figures are the CPU compiler's: attention there materialises the scores
 (the blocks on and below the diagonal, 5/8 of L x L; cuDNN's fused kernel keeps none), so temp bytes are
 an upper bound for a GPU."""
@@ -128,7 +134,7 @@ def compile_for(cfg: Config, devices: list):
 
 def measure(cfg: Config, devices: list, gpu: str) -> dict:
     from trainer.core import hlo
-    from trainer.core.model import flops_per_token
+    from trainer.core.model import attention_impl, flops_per_token
     from trainer.core.state import param_count
 
     spec, mesh, compiled = compile_for(cfg, devices)
@@ -137,7 +143,15 @@ def measure(cfg: Config, devices: list, gpu: str) -> dict:
     stats = hlo.analyze(compiled.as_text(), host_size=HOST_GPUS)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost  # older jax returned one dict per program
-    model_flops = flops_per_token(cfg.model, param_count(spec.abstract)) * cfg.data.batch_size * cfg.model.seq_len / n
+    tokens_per_device = cfg.data.batch_size * cfg.model.seq_len / n
+    model_flops = flops_per_token(cfg.model, param_count(spec.abstract)) * tokens_per_device
+    useful = useful_flops_per_token(cfg, spec.abstract["params"])
+    useful_flops = (useful.matmul_params + useful.attention) * tokens_per_device
+    # cuDNN's fused attention is a custom call, not a dot in the HLO: its work joins the step's matmul FLOPs
+    # at the causal half, the least it can do, so the useful FLOPs never exceed what the step computes.
+    kernel_flops = (
+        useful.attention * tokens_per_device if attention_impl(cfg.model, devices[0].platform) == "cudnn" else 0.0
+    )
     peak_bytes = (
         mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
     )
@@ -160,29 +174,55 @@ def measure(cfg: Config, devices: list, gpu: str) -> dict:
         "collective_bytes_total": stats.total_collective_bytes,
         "collective_bytes_inter_host": stats.inter_host_bytes,
         "flops_per_device_per_step": {
-            "model": model_flops,
+            "model": model_flops,  # the training loop's MFU formula: the whole L x L attention
+            "useful": useful_flops,  # the ceilings' numerator: matmul params and attention's causal half
             "compiled_matmul": stats.matmul_flops,
+            "attention_kernel": kernel_flops,  # cuDNN's fused attention at the causal half; 0 when XLA's path
             "xla_cost_analysis": float(cost.get("flops", 0.0)),  # counts each loop body once
         },
         "unknown_loop_trip_counts": stats.unknown_trip_counts,
-        **_ceiling(gpu, n, model_flops, stats, peak_bytes),
+        **_ceiling(gpu, useful_flops, stats.matmul_flops + kernel_flops, stats, peak_bytes),
     }
 
 
-def _ceiling(gpu: str, n: int, model_flops: float, stats, peak_bytes: int) -> dict:
+@dataclasses.dataclass(frozen=True)
+class UsefulFlops:
+    """Training FLOPs per token that any exact step must compute (the MFU ceilings' numerator)."""
+
+    matmul_params: float  # 6 x the params that enter a matmul: forward, input gradient, weight gradient
+    attention: float  # QK^T and PV, forward and backward, for the causal half of L x L (the diagonal included)
+
+
+def useful_flops_per_token(cfg: Config, params) -> UsefulFlops:
+    import jax
+
+    def in_matmul(path) -> bool:
+        name = path[-1].key
+        # wte is the LM head when tied (a matmul), else only a lookup; wpe is always a lookup.
+        return name in ("kernel", "lm_head") or (name == "wte" and cfg.model.tie_embeddings)
+
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    matmul_params = sum(int(x.size) for path, x in leaves if in_matmul(path))
+    m, L = cfg.model, cfg.model.seq_len
+    # flops_per_token's 12 x N x D x L (every query against all L keys), scaled to the (L + 1) / 2 keys a
+    # query sees on average under the causal mask.
+    return UsefulFlops(6.0 * matmul_params, 6.0 * m.n_layers * m.d_model * (L + 1))
+
+
+def _ceiling(gpu: str, useful_flops: float, step_flops: float, stats, peak_bytes: int) -> dict:
     peak, capacity, nvlink, network = GPUS[gpu]
     total = stats.total_collective_bytes
     wire = total + stats.collective_bytes["all-reduce"]  # a ring moves an all-reduce's bytes twice
     inter = stats.inter_host_bytes / total if total else 0.0
-    t_compute, t_comm = stats.matmul_flops / peak, wire * ((1 - inter) / nvlink + inter / network)
+    t_compute, t_comm = step_flops / peak, wire * ((1 - inter) / nvlink + inter / network)
     return {
         "gpu": gpu,
         "gpu_memory_bytes": capacity,
         "fits": peak_bytes <= MEM_FRACTION * capacity,
         "link_bytes_per_s": {"nvlink": nvlink, "network": network},
         "mfu_ceiling": {
-            "compute": model_flops / stats.matmul_flops if stats.matmul_flops else None,
-            "serial": (model_flops / peak) / (t_compute + t_comm) if t_compute + t_comm else None,
+            "compute": useful_flops / step_flops if step_flops else None,
+            "serial": (useful_flops / peak) / (t_compute + t_comm) if t_compute + t_comm else None,
         },
     }
 
@@ -214,10 +254,13 @@ def render(r: dict) -> str:
         f"  {'total':<28} {_fmt_bytes(r['collective_bytes_total'])}"
         f" ({_fmt_bytes(r['collective_bytes_inter_host'])} across hosts of {HOST_GPUS})",
         "",
-        f"FLOPs per device per step: model {f['model']:.3g}, compiled matmuls {f['compiled_matmul']:.3g}, "
-        f"XLA cost analysis {f['xla_cost_analysis']:.3g} (loop bodies once)",
-        f"MFU ceiling on {r['gpu']}: compute {_pct(r['mfu_ceiling']['compute'])}, with collectives serial "
-        f"{_pct(r['mfu_ceiling']['serial'])} (see --help)",
+        f"FLOPs per device per step: model {f['model']:.3g} (the loop's MFU: attention's whole L x L), useful "
+        f"{f['useful']:.3g} (attention's causal half), compiled matmuls {f['compiled_matmul']:.3g}"
+        + (f" + cuDNN attention {f['attention_kernel']:.3g}" if f["attention_kernel"] else "")
+        + f", XLA cost analysis {f['xla_cost_analysis']:.3g} (loop bodies once)",
+        f"MFU ceiling on {r['gpu']} (useful FLOPs / the step's at peak; at most 100%): compute "
+        f"{_pct(r['mfu_ceiling']['compute'])}, with collectives serial {_pct(r['mfu_ceiling']['serial'])}; "
+        f"the loop's MFU reads x{f['model'] / f['useful']:.3f} of this scale (see --help)",
     ]
     return "\n".join(lines)
 

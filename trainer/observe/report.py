@@ -165,11 +165,21 @@ def plot_throughput(v: runview.RunView, plt, out: Path) -> None:
     _save(fig, plt, out)
 
 
+GOODPUT_ORDER = "largest first"  # the bar's parts are totals over the run, not a timeline: said in plot and text
+
+
+def goodput_parts(led: dict) -> list[str]:
+    """The ledger's categories, largest share first (ties in goodput.CATEGORIES order). Restart downtime and
+    checkpoint blocking interleave with the steps, so no drawing order could be the order things happened."""
+    secs = led["goodput"]["seconds"]
+    return sorted(goodput.CATEGORIES, key=lambda k: -secs[k])
+
+
 def plot_goodput(led: dict, restarts: int, plt, out: Path, *, resumes: int = 0) -> None:
     secs, fr = led["goodput"]["seconds"], led["goodput"]["fractions"]
     fig, ax = plt.subplots(figsize=(9, 2.8))
     left = 0.0
-    for k in goodput.CATEGORIES:
+    for k in goodput_parts(led):
         if secs[k] < 0.05:  # would read "0.0s (0%)": a share the run did not have
             continue
         ax.barh([0], [secs[k]], left=left, color=GOODPUT_COLOURS[k], label=f"{k} {secs[k]:.1f}s ({fr[k]:.0%})")
@@ -177,13 +187,28 @@ def plot_goodput(led: dict, restarts: int, plt, out: Path, *, resumes: int = 0) 
             ax.text(left + secs[k] / 2, 0, f"{fr[k]:.0%}", ha="center", va="center", color="white", fontsize=9)
         left += secs[k]
     ax.set_yticks([])
-    ax.set_xlabel("wall-clock seconds")
+    ax.set_xlabel("wall-clock seconds, summed per category")
     what = f"{restarts} restart{'s' if restarts != 1 else ''}" + (
         f", {resumes} resumed session{'s' if resumes != 1 else ''}" if resumes else ""
     )
     ax.set_title(f"Goodput: where the {led['wall_s']:.0f}s went ({what})")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, fontsize=8, frameon=False)
+    legend = f"parts {GOODPUT_ORDER} (totals, not a timeline)"
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, fontsize=8, frameon=False, title=legend)
     _save(fig, plt, out)
+
+
+def goodput_table(led: dict) -> list[str]:
+    """report.md's goodput section, its rows in the bar's order."""
+    secs, fr = led["goodput"]["seconds"], led["goodput"]["fractions"]
+    return [
+        "## Goodput",
+        "",
+        f"Seconds summed per category over the run, {GOODPUT_ORDER} (as goodput.png draws them; not a timeline).",
+        "",
+        "| category | seconds | share |",
+        "|---|---:|---:|",
+        *(f"| {k} | {secs[k]:.1f} | {fr[k]:.1%} |" for k in goodput_parts(led)),
+    ]
 
 
 def _markdown(v: runview.RunView, led: dict, pngs: list[str]) -> str:
@@ -197,13 +222,8 @@ def _markdown(v: runview.RunView, led: dict, pngs: list[str]) -> str:
         status.render(v),
         "```",
         "",
-        "## Goodput",
-        "",
-        "| category | seconds | share |",
-        "|---|---:|---:|",
+        *goodput_table(led),
     ]
-    for k in goodput.CATEGORIES:
-        lines.append(f"| {k} | {led['goodput']['seconds'][k]:.1f} | {led['goodput']['fractions'][k]:.1%} |")
     lines += ["", f"## Alerts ({len(alerts)})", ""]
     if alerts:
         lines += ["| step | alert | detail | runbook |", "|---:|---|---|---|"]
