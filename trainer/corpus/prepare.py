@@ -1,7 +1,8 @@
 """`python -m trainer prepare`: tokenize a corpus once into a prepared DIR, or import token files.
 
-Tokenizing runs in parallel worker processes; pre-tokenized flat files (nanoGPT's train.bin/val.bin) are
-imported as they are. The DIR's format: trainer.corpus.shards.
+Tokenizing runs in parallel tokenizer processes (`--workers`; a "worker" elsewhere is a training process);
+pre-tokenized flat files (nanoGPT's train.bin/val.bin) are imported as they are.
+The DIR's format: trainer.corpus.shards.
 
 The output does not depend on --workers: documents are cut into chunks by a fixed size, the chunks are
 encoded anywhere, and written in input order. No jax here.
@@ -27,7 +28,7 @@ from trainer.config import ConfigError
 from trainer.corpus import shards, sources, tokenizer
 from trainer.corpus.tokenizer import Tok
 
-CHUNK_BYTES = 1 << 18  # documents are sent to workers in chunks of about this much text
+CHUNK_BYTES = 1 << 18  # documents are sent to tokenizer processes in chunks of about this much text
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Plan:
     source: sources.Source
     spec: str
     val_fraction: Fraction
-    workers: int = 1
+    processes: int = 1  # tokenizer processes (--workers, data.prepare_workers)
     shard_tokens: int = shards.SHARD_TOKENS
 
 
@@ -65,15 +66,15 @@ class _Progress:
         print(("\r" if self.tty else "") + line, end=end, file=sys.stderr, flush=True)
 
 
-# --- encoding, in this process or in workers -------------------------------------------------------
+# --- encoding, in this process or in tokenizer processes -------------------------------------------------------
 
 _ENCODE = None
 _EOS = np.zeros(1, np.uint32)  # the end-of-text id, as an array of the output dtype
 
 
-def _init_worker(tok: Tok) -> None:
+def _init_tokenizer_process(tok: Tok) -> None:
     global _ENCODE, _EOS
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process: --workers is the knob
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per tokenizer process: --workers is the knob
     _ENCODE, _EOS = tok.encoder(), np.array([tok.eos_id], shards.dtype_for(tok.vocab_size))
 
 
@@ -101,18 +102,18 @@ def _chunks(plan: Plan):
 
 
 def _encoded(plan: Plan, tok: Tok):
-    """Encoded chunks in input order; with workers, at most 2 per worker in flight (bounded memory)."""
-    if plan.workers <= 1:
-        _init_worker(tok)
+    """Encoded chunks in input order; with tokenizer processes, at most 2 per process in flight (bounded memory)."""
+    if plan.processes <= 1:
+        _init_tokenizer_process(tok)
         yield from map(_encode_chunk, _chunks(plan))
         return
     with ProcessPoolExecutor(
-        plan.workers, mp_context=get_context("spawn"), initializer=_init_worker, initargs=(tok,)
+        plan.processes, mp_context=get_context("spawn"), initializer=_init_tokenizer_process, initargs=(tok,)
     ) as pool:
         pending = collections.deque()
         for chunk in _chunks(plan):
             pending.append(pool.submit(_encode_chunk, chunk))
-            if len(pending) >= 2 * plan.workers:
+            if len(pending) >= 2 * plan.processes:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
