@@ -73,12 +73,23 @@ def test_eval_never_changes_training_and_its_loss_falls(tmp_path, bpe, with_eval
     assert not off & {"alert", "checkpoint_now"}, off
 
 
+# An eval slower than the step timeout is no hang (eval is a heartbeat phase of its own); a hung eval is
+# caught by its own timeout. Then a crash.
+EVAL_FAULTS = (
+    "faults=[{kind: slow, step: 10, phase: eval, seconds: 7}, {kind: hang, step: 20, phase: eval}, "
+    "{kind: crash, step: 27}]"
+)
+
+
 def test_a_killed_run_on_prepared_data_resumes_bitwise(tmp_path, bpe, with_eval):
     run = tmp_path / "run"
-    run_trainer(run, f"data.path={bpe}", "model.vocab_size=512", DROPOUT, *EVAL, "faults=[{kind: crash, step: 27}]")
+    timeouts = ("supervisor.step_timeout_s=4", "supervisor.eval_timeout_s=8")
+    run_trainer(run, f"data.path={bpe}", "model.vocab_size=512", DROPOUT, *EVAL, EVAL_FAULTS, *timeouts)
+    hangs = [(e["phase"], e["step"], e["timeout_s"]) for e in events(run) if e["event"] == "hang_detected"]
+    assert hangs == [("eval", 20, 8)], hangs  # the slow eval at step 10 (7 s > the step's 4 s) was not one
     # Saves are asynchronous: on a loaded machine the one at step 20 may not be committed by step 27.
     restores = [e["step"] for e in events(run) if e["event"] == "restore"]
-    assert summary(run)["restarts"] == 1 and restores in ([20], [10]), restores
+    assert summary(run)["restarts"] == 2 and restores in ([10, 20], [10, 10]), restores
     assert summary(run)["params_sha256"] == summary(with_eval)["params_sha256"]
     assert all(set(v) == set(step_losses(with_eval)[k]) for k, v in step_losses(run).items())
     assert {k: e["loss"] for k, e in _evals(run).items()} == {k: e["loss"] for k, e in _evals(with_eval).items()}

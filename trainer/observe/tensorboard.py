@@ -104,7 +104,10 @@ class _NoSpaceGuard:
 
 
 def _guard_disk_full(w, logdir: Path) -> None:
-    # tensorboardX offers no hook for write errors: wrap the record writer its thread and close() use.
+    # tensorboardX offers no hook for write errors: wrap the record writer its thread and close() use. The
+    # only private tensorboardX names we touch (SummaryWriter._get_file_writer, EventFileWriter._ev_writer and
+    # its _worker._record_writer), here alone; checked against tensorboardX 2.6.5. An upgrade that moves them
+    # fails at the first writer's start (AttributeError), never silently.
     events = w._get_file_writer().event_writer
     guard = _NoSpaceGuard(events._ev_writer, logdir)
     events._ev_writer = events._worker._record_writer = guard
