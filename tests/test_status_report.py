@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT, child_env, events, step_losses, trainer_cmd
 from test_first_hour import _figures
 
-from trainer.observe import goodput, report, runview
+from trainer.observe import event_names, goodput, report, runview
 
 PNGS = ("loss.png", "grad_norm.png", "throughput.png", "goodput.png")
 # The worker kills itself with SIGUSR2 at step 12 (the `signal` fault; restart from the step-10 checkpoint),
@@ -40,7 +40,7 @@ def _steps_after_restart(run: Path) -> int:
     except OSError:
         return 0
     evs = [json.loads(x) for x in lines if x.strip().endswith("}")]
-    starts = [i for i, e in enumerate(evs) if e["event"] in runview.ATTEMPT_START]
+    starts = [i for i, e in enumerate(evs) if e["event"] in event_names.ATTEMPT_STARTS]
     if len(starts) < 2:
         return 0
     return max((e["step"] for e in evs[starts[-1] :] if e["event"] == "step"), default=0)
@@ -95,7 +95,7 @@ def _report_shows_the_run(run: Path, monkeypatch) -> None:
     series = [ln for ln in ax.get_lines() if ln.get_color() == "tab:blue"]
     by_attempt: list[dict] = []  # step -> loss, per worker attempt (each begins with init or restore)
     for e in events(run):
-        if e["event"] in runview.ATTEMPT_START:
+        if e["event"] in event_names.ATTEMPT_STARTS:
             by_attempt.append({})
         elif e["event"] == "step":
             by_attempt[-1][e["step"]] = e["loss"]

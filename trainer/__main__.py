@@ -13,6 +13,7 @@ import time
 import traceback
 
 from trainer.config import Config, ConfigError, load_config
+from trainer.observe import env_vars
 
 PEER_DEATH_GRACE_S = 3.0  # see run_worker
 
@@ -75,10 +76,10 @@ DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"  # XLA: run-to-run deter
 
 def configure_devices(cfg: Config) -> None:
     """Decide the platform, fake device count and XLA flags before jax initialises its backends."""
-    if cfg.run.deterministic and DETERMINISTIC_FLAG not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DETERMINISTIC_FLAG}".strip()
+    if cfg.run.deterministic and DETERMINISTIC_FLAG not in os.environ.get(env_vars.XLA_FLAGS, ""):
+        os.environ[env_vars.XLA_FLAGS] = f"{os.environ.get(env_vars.XLA_FLAGS, '')} {DETERMINISTIC_FLAG}".strip()
     if cfg.mesh.cpu_devices:
-        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ[env_vars.JAX_PLATFORMS] = "cpu"
         import jax
 
         jax.config.update("jax_num_cpu_devices", cfg.mesh.cpu_devices)

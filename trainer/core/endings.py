@@ -11,6 +11,15 @@ from trainer.core.flags import Flags
 from trainer.core.state import params_sha256
 from trainer.core.worker import Worker
 from trainer.observe import rundir
+from trainer.observe.event_names import (
+    CHECKPOINT_FAILED,
+    PREEMPTED,
+    REPLICA_MISMATCH,
+    RUN_COMPLETE,
+    SPIKE_EXIT,
+    STEP,
+    STOPPED,
+)
 from trainer.observe.events import iter_events, newest_record
 from trainer.supervise import exit_codes
 
@@ -21,10 +30,10 @@ def end(w: Worker, flags: Flags, st, step: int, loss: float) -> int:
     if w.ckpt.failure():
         return storage_exit(w, step)
     if flags.stop:
-        w.events.write("preempted", step=step)
+        w.events.write(PREEMPTED, step=step)
         return exit_codes.PREEMPTED
     if step < w.cfg.train.steps:
-        w.events.write("stopped", step=step)
+        w.events.write(STOPPED, step=step)
         return exit_codes.OK
     finish(w, st, step, loss)
     return exit_codes.OK
@@ -32,7 +41,7 @@ def end(w: Worker, flags: Flags, st, step: int, loss: float) -> int:
 
 def finish(w: Worker, st, step: int, loss: float | None) -> None:
     if loss is None:  # restored the final checkpoint (killed before this ran): the loss was logged back then
-        loss = (newest_record(w.run_dir / rundir.EVENTS, "step", step) or {}).get("loss")
+        loss = (newest_record(w.run_dir / rundir.EVENTS, STEP, step) or {}).get("loss")
     digest = params_sha256(st["params"])
     if w.primary:
         summary = {
@@ -46,14 +55,14 @@ def finish(w: Worker, st, step: int, loss: float | None) -> None:
         first = next(iter_events(w.run_dir / rundir.EVENTS))["time"]
         summary["wall_s"] = time.time() - first
         rundir.write_json(w.run_dir / rundir.SUMMARY, summary)
-    w.events.write("run_complete", step=step, final_loss=loss, params_sha256=digest)
+    w.events.write(RUN_COMPLETE, step=step, final_loss=loss, params_sha256=digest)
     w.heartbeat.beat("done", step)
 
 
 def spike_exit(w: Worker, flags: Flags) -> int:
     """Leave without saving: the state after a spike is what the runbook rewinds away from."""
     spike = flags.spike or {}
-    w.events.write("spike_exit", step=spike.get("step"), **{k: v for k, v in spike.items() if k not in ("do", "step")})
+    w.events.write(SPIKE_EXIT, step=spike.get("step"), **{k: v for k, v in spike.items() if k not in ("do", "step")})
     w.ckpt.close()  # let saves of earlier, good steps finish
     w.events.close()
     return exit_codes.SPIKE
@@ -62,7 +71,7 @@ def spike_exit(w: Worker, flags: Flags) -> int:
 def replica_exit(w: Worker, step: int, last_good: int, bad: dict) -> int:
     """Replicas of the params diverged: leave without saving; the supervisor rewinds to a checkpoint saved
     at or before `last_good` (every save was preceded by a check that passed) and restarts."""
-    w.events.write("replica_mismatch", step=step, last_good=last_good, **bad)
+    w.events.write(REPLICA_MISMATCH, step=step, last_good=last_good, **bad)
     odd = [d["device"] for d in bad["devices"] if d["odd"]]
     print(
         f"worker: replicas of {bad['param']} differ at step {step} (devices {odd} of "
@@ -78,7 +87,7 @@ def storage_exit(w: Worker, step: int) -> int:
     """A checkpoint could not be written: say why and stop (a restart would only fill the disk again). No
     waiting on the failed save: a peer's background writer may wait in a barrier for it until a timeout."""
     msg = w.ckpt.failure() or "a checkpoint could not be written"
-    w.events.write("checkpoint_failed", step=step, tier="durable", message=msg)
+    w.events.write(CHECKPOINT_FAILED, step=step, tier="durable", message=msg)
     print(f"worker: {msg}", file=sys.stderr, flush=True)
     w.events.close()
     w.scalars.close()

@@ -25,9 +25,19 @@ from trainer.core.save_policy import Requests, Save, SavePolicy
 from trainer.core.step import lower_train_step
 from trainer.core.step_log import StepLog
 from trainer.core.worker import Worker, setup, versions
-from trainer.observe import outcome, rundir
+from trainer.observe import env_vars, outcome, rundir
 from trainer.observe.audit import AuditLog
 from trainer.observe.checkpoint_files import DURABLE
+from trainer.observe.event_names import (
+    CHECKPOINT_INTERVAL,
+    CHECKPOINT_SAVED,
+    COMPILED,
+    EVAL,
+    INIT,
+    INIT_FROM,
+    RESTORE,
+    WORKER_READY,
+)
 from trainer.supervise import exit_codes
 
 absl.logging.set_verbosity(absl.logging.ERROR)  # Orbax's info/warnings would drown the progress line
@@ -72,13 +82,13 @@ def run(cfg: Config) -> int:
     step_fn = _compile(w, start)
     ev = evaluate.build(w)  # compiled now too: the first eval is no slow step
     startup_s = time.time() - t_start
-    w.events.write("worker_ready", step=start, startup_s=startup_s, pid=os.getpid())
+    w.events.write(WORKER_READY, step=start, startup_s=startup_s, pid=os.getpid())
     global TRAINING
     TRAINING = True
     code = _train(w, flags, step_fn, it, audit, st, start, ev, startup_s=startup_s)
     w.events.close()
     w.scalars.close()
-    if "TRAINER_ATTEMPT" not in os.environ:  # unsupervised: no one else will tidy up, report or say the end
+    if env_vars.ATTEMPT not in os.environ:  # unsupervised: no one else will tidy up, report or say the end
         rundir.drop_empty_stacks(w.run_dir, [os.getpid()])
         if w.primary and cfg.log.report:
             from trainer.observe import report
@@ -101,10 +111,10 @@ def _install_signals(w: Worker, flags: Flags) -> None:
 
     signal.signal(signal.SIGTERM, handler)
     # The supervisor sends SIGUSR1 before killing a hung worker: dump every thread's Python stack.
-    stacks = w.run_dir / rundir.STACKS
-    stacks.mkdir(exist_ok=True)
+    stacks = rundir.stack_file(w.run_dir, os.getpid())
+    stacks.parent.mkdir(exist_ok=True)
     global _STACKS_FILE  # open for the process's lifetime: the handler writes into it at any moment
-    _STACKS_FILE = open(stacks / f"worker-{os.getpid()}.txt", "w")
+    _STACKS_FILE = open(stacks, "w")
     faulthandler.register(signal.SIGUSR1, file=_STACKS_FILE, all_threads=True)
 
 
@@ -119,11 +129,11 @@ def _restore_or_init(w: Worker):
         st = w.spec.init()
         if w.init_from:  # fine-tuning: another run's params, this run's fresh optimizer state, RNG and schedule
             st = dict(st, params=weights.restore_params(Path(w.init_from["checkpoint"]), w.spec.abstract["params"]))
-        w.events.write("init", step=0, n_params=w.n_params, seconds=time.perf_counter() - t0)
+        w.events.write(INIT, step=0, n_params=w.n_params, seconds=time.perf_counter() - t0)
         if w.init_from:
-            w.events.write("init_from", step=0, **w.init_from)
+            w.events.write(INIT_FROM, step=0, **w.init_from)
         return st, 0, None
-    w.events.write("restore", step=restored.step, tier=restored.tier, seconds=time.perf_counter() - t0)
+    w.events.write(RESTORE, step=restored.step, tier=restored.tier, seconds=time.perf_counter() - t0)
     assert int(restored.data_state["next_index"]) == restored.step, "data cursor and step disagree"
     return restored.state, restored.step, restored.tier
 
@@ -146,7 +156,7 @@ def _compile(w: Worker, start: int):
     _enter(w, "compile", start)
     t0 = time.perf_counter()
     compiled = lower_train_step(w.spec, w.mesh, w.cfg, microbatches=w.microbatches).compile()
-    w.events.write("compiled", step=start, seconds=time.perf_counter() - t0, microbatches=w.microbatches)
+    w.events.write(COMPILED, step=start, seconds=time.perf_counter() - t0, microbatches=w.microbatches)
     return compiled
 
 
@@ -263,7 +273,7 @@ def _checkpoint(w: Worker, flags: Flags, policy: SavePolicy, log: StepLog, st, s
         flags.save_now = ""
         if minutes is not None:
             w.events.write(
-                "checkpoint_interval", step=step, minutes=minutes, blocking_s=blocking, restart_s=policy.restart_s
+                CHECKPOINT_INTERVAL, step=step, minutes=minutes, blocking_s=blocking, restart_s=policy.restart_s
             )
     return None
 
@@ -279,7 +289,7 @@ def _meta(w: Worker) -> dict:
         "devices": jax.device_count(),
         "skips": w.skips,
         "versions": versions(),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),  # run.deterministic's flag, and any the user set
+        "xla_flags": os.environ.get(env_vars.XLA_FLAGS, ""),  # run.deterministic's flag, and any the user set
         "init_from": w.init_from,  # where the params started (train.init_from), kept through resumes
     }
 
@@ -293,7 +303,7 @@ def _save(w: Worker, st, step: int, reason: str, tier: str) -> float | None:
         return None
     if blocking is None:  # the local tier failed and is off now (an event says so); the durable one carries on
         return 0.0
-    w.events.write("checkpoint_saved", step=step, blocking_s=blocking, reason=reason, tier=tier)
+    w.events.write(CHECKPOINT_SAVED, step=step, blocking_s=blocking, reason=reason, tier=tier)
     w.faults.after_save_started(step)
     return blocking
 
@@ -316,7 +326,7 @@ def _eval(w: Worker, ev: evaluate.Evaluator, st, step: int) -> float:
     _enter(w, "eval", step)
     r = ev.run(st["params"])
     w.heartbeat.beat("step", step)
-    w.events.write("eval", step=step, **r)
+    w.events.write(EVAL, step=step, **r)
     w.scalars.add(step, {"loss/eval": r["loss"], "loss/eval_perplexity": r["perplexity"]})
     return r["seconds"]
 

@@ -11,6 +11,7 @@ from trainer.core import mesh as mesh_lib
 from trainer.core.flags import Flags
 from trainer.core.model import flops_per_token
 from trainer.core.worker import Worker
+from trainer.observe.event_names import STEP
 from trainer.observe.progress import Progress
 
 
@@ -54,7 +55,7 @@ class StepLog:
             rec["eval_s"] = self.eval_s
         if self.peak:
             rec["mfu"] = tps * self.flops_per_token / self.peak
-        w.events.write("step", step=step, **rec)
+        w.events.write(STEP, step=step, **rec)
         for mon in w.monitors:
             if (action := mon.on_step(step, rec)) is not None:
                 self.flags.act(step, action)

@@ -21,6 +21,7 @@ from trainer.core.checkpoint import Checkpointer, Restored, SaveFailed
 from trainer.core.distributed import allgather_json
 from trainer.observe import checkpoint_files, manifest
 from trainer.observe.checkpoint_files import DURABLE, LOCAL
+from trainer.observe.event_names import CHECKPOINT_FAILED, CHECKPOINT_REJECTED
 
 
 def saved_meta(run_dir: Path, cfg: CheckpointConfig) -> dict | None:
@@ -94,7 +95,7 @@ class Tiers:
         return self.durable.failure
 
     def _local_failed(self) -> None:
-        self.log("checkpoint_failed", tier=LOCAL, message=self.local.failure, action="local tier off until restart")
+        self.log(CHECKPOINT_FAILED, tier=LOCAL, message=self.local.failure, action="local tier off until restart")
         self.local = None
 
     def close(self) -> None:
@@ -115,7 +116,7 @@ class Tiers:
                 restored, problem = self._restore(ck, step, abstract_state)
             if problem is None:
                 return restored
-            self.log("checkpoint_rejected", step=step, tier=tier, **problem)
+            self.log(CHECKPOINT_REJECTED, step=step, tier=tier, **problem)
             self._move_aside(ck, step)
         return None
 

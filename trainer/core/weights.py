@@ -25,6 +25,7 @@ from trainer.core.distributed import allgather_json
 from trainer.core.model import GPT
 from trainer.corpus import shards, tokenizer
 from trainer.observe import checkpoint_files, manifest, pick, rundir
+from trainer.observe.event_names import DATA_READY
 from trainer.observe.events import iter_events
 from trainer.yamltree import build
 
@@ -169,7 +170,7 @@ def tokenizer_of(run_dir: Path | None, meta: dict) -> RunTokenizer:
     data = meta["config"]["data"]
     ready = None
     if run_dir is not None:  # every start logs one; the data cannot change on resume, so the first one suffices
-        ready = next((e for e in iter_events(Path(run_dir) / rundir.EVENTS) if e["event"] == "data_ready"), None)
+        ready = next((e for e in iter_events(Path(run_dir) / rundir.EVENTS) if e["event"] == DATA_READY), None)
     places = [Path(p).expanduser() for p in (data["path"], (ready or {}).get("dir")) if p]
     for d in places:
         if shards.is_prepared(d):

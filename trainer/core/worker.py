@@ -22,7 +22,15 @@ from trainer.core import mesh as mesh_lib
 from trainer.core import state as state_lib
 from trainer.core.model import GPT
 from trainer.core.replicas import ReplicaCheck
-from trainer.observe import alerts, rundir
+from trainer.observe import alerts, env_vars, rundir
+from trainer.observe.event_names import (
+    CONFIG_CHANGED,
+    DATA_READY,
+    ELASTIC_MICROBATCHES,
+    RUNBOOK_RETRIES,
+    SESSION_START,
+    STACK_CHANGED,
+)
 from trainer.observe.events import EventLog
 from trainer.observe.heartbeat import Heartbeat
 from trainer.observe.spikes import SpikeDetector
@@ -182,7 +190,7 @@ def _announce_changes(cfg: Config, events: EventLog, saved: dict | None, microba
     software stack (an event, and one stderr line: bitwise resume no longer holds)."""
     if microbatches != cfg.train.microbatches:
         events.write(
-            "elastic_microbatches",
+            ELASTIC_MICROBATCHES,
             processes=jax.process_count(),
             planned=cfg.launch.processes,
             microbatches=microbatches,
@@ -190,7 +198,7 @@ def _announce_changes(cfg: Config, events: EventLog, saved: dict | None, microba
         )
     if saved and (stack := stack_changes(saved, cfg)):
         events.write(
-            "stack_changed",
+            STACK_CHANGED,
             changes=stack,
             meaning="resumed on another software stack: the run "
             "continues, but bitwise equality with an uninterrupted run is no longer promised",
@@ -218,14 +226,14 @@ def setup(cfg: Config) -> Worker:
     setup_compile_cache(cfg.run.compile_cache)
     events = EventLog(run_dir / rundir.EVENTS, enabled=primary)
     rb = runbook.RunbookState.load(run_dir, cfg.optim)
-    if "TRAINER_ATTEMPT" not in os.environ:  # unsupervised: this process is the session (the goodput ledger's unit)
-        events.write("session_start", pid=os.getpid())
+    if env_vars.ATTEMPT not in os.environ:  # unsupervised: this process is the session (the goodput ledger's unit)
+        events.write(SESSION_START, pid=os.getpid())
     if primary:  # as trained: with the runbook's softened LR, clip and b2, if it softened them
         rundir.atomic_write(run_dir / rundir.CONFIG, dump_yaml(runbook.softened_config(cfg, rb)))
     for c in changes:
-        events.write("config_changed", change=c)
+        events.write(CONFIG_CHANGED, change=c)
     events.write(
-        "data_ready",
+        DATA_READY,
         seconds=data_s,
         dir=str(corpus.dir),
         source=corpus.source,
@@ -263,7 +271,7 @@ def setup(cfg: Config) -> Worker:
             cfg.checkpoint,
             log=events.write,
             pinned=pins,
-            rewinds=[h["to"] for h in rb.history if h["action"] in ("skip", "soften")],
+            rewinds=[h["to"] for h in rb.history if h["action"] in RUNBOOK_RETRIES],
             commit_delay=faults.commit_delay if faults.slow_saves() else None,
         ),
         events=events,

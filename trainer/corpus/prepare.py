@@ -27,6 +27,7 @@ import numpy as np
 from trainer.config import ConfigError
 from trainer.corpus import shards, sources, tokenizer
 from trainer.corpus.tokenizer import Tok
+from trainer.observe import env_vars
 
 CHUNK_BYTES = 1 << 18  # documents are sent to tokenizer processes in chunks of about this much text
 
@@ -74,7 +75,7 @@ _EOS = np.zeros(1, np.uint32)  # the end-of-text id, as an array of the output d
 
 def _init_tokenizer_process(tok: Tok) -> None:
     global _ENCODE, _EOS
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per tokenizer process: --workers is the knob
+    os.environ[env_vars.TOKENIZERS_PARALLELISM] = "false"  # one thread per tokenizer process: --workers is the knob
     _ENCODE, _EOS = tok.encoder(), np.array([tok.eos_id], shards.dtype_for(tok.vocab_size))
 
 

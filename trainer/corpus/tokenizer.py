@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from trainer.config import ConfigError
+from trainer.observe import env_vars
 
 EOT = "<|endoftext|>"
 # End-of-text tokens a tokenizer.json may carry, in the order they are looked for.
@@ -173,7 +174,7 @@ def _tiktoken_name(spec: str) -> str:
     except ImportError:
         raise ConfigError(
             f"tokenizer {spec!r} is not one of {SPEC_FORMS} (as a tiktoken encoding: tiktoken is "
-            f"not installed; pip install tiktoken, with its encoding file in TIKTOKEN_CACHE_DIR)"
+            f"not installed; pip install tiktoken, with its encoding file in {env_vars.TIKTOKEN_CACHE_DIR})"
         ) from None
     if name not in tiktoken.list_encoding_names():
         raise ConfigError(
@@ -201,14 +202,14 @@ def tiktoken_encoding(name: str):
         return tiktoken.get_encoding(name)
     except _NoDownload as e:
         cache = (
-            os.environ.get("TIKTOKEN_CACHE_DIR")
-            or os.environ.get("DATA_GYM_CACHE_DIR")
+            os.environ.get(env_vars.TIKTOKEN_CACHE_DIR)
+            or os.environ.get(env_vars.DATA_GYM_CACHE_DIR)
             or os.path.join(tempfile.gettempdir(), "data-gym-cache")
         )  # tiktoken.load's own lookup order
         key = hashlib.sha1(str(e).encode()).hexdigest()
         raise ConfigError(
             f"tiktoken encoding {name!r} is not available locally (nothing is downloaded): put "
-            f"{e} at {cache}/{key} (or set TIKTOKEN_CACHE_DIR), or use bpe:N or a tokenizer.json"
+            f"{e} at {cache}/{key} (or set {env_vars.TIKTOKEN_CACHE_DIR}), or use bpe:N or a tokenizer.json"
         ) from None
     finally:
         tiktoken.load.read_file = real

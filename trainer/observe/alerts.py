@@ -11,7 +11,22 @@ import statistics
 from pathlib import Path
 
 from trainer.config import Config
-from trainer.observe import health
+from trainer.observe import health, rundir
+from trainer.observe.event_names import (
+    ALERT,
+    ALERT_CLEARED,
+    CHECKPOINT_NOW,
+    HANG_DETECTED,
+    HEALTH,
+    HEALTH_SOURCE,
+    RESTART,
+    REWIND,
+    RUNBOOK_GAVE_UP,
+    SKIP,
+    SOFTEN,
+    SPIKE_DETECTED,
+    WORKER_READY,
+)
 from trainer.observe.events import events_newest_first
 
 # kind -> (what it likely means, what the runbook does about it)
@@ -46,13 +61,13 @@ ALERTS = {
 # events.jsonl entries drawn as markers on the dashboard (restart from the supervisor, the rest from the
 # spike runbook), keyed to their marker name.
 MARKERS = {
-    "restart": "restart",
-    "hang_detected": "hang",
-    "spike_detected": "spike",
-    "rewind": "rewind",
-    "skip": "skip",
-    "soften": "soften",
-    "runbook_gave_up": "runbook_gave_up",
+    RESTART: "restart",
+    HANG_DETECTED: "hang",
+    SPIKE_DETECTED: "spike",
+    REWIND: "rewind",
+    SKIP: "skip",
+    SOFTEN: "soften",
+    RUNBOOK_GAVE_UP: "runbook_gave_up",
 }
 
 
@@ -66,7 +81,7 @@ class Alerter:
     def fire(self, step: int, kind: str, detail: str, **fields) -> None:
         meaning, runbook = ALERTS[kind]
         self.open[kind] = step
-        self.events.write("alert", step=step, kind=kind, detail=detail, meaning=meaning, runbook=runbook, **fields)
+        self.events.write(ALERT, step=step, kind=kind, detail=detail, meaning=meaning, runbook=runbook, **fields)
         self.scalars.add(step, {f"alerts/{kind}": 1.0, "alerts/open": len(self.open)})
         self.scalars.text(
             "alerts", f"**{kind}** at step {step}: {detail}\n\n*Likely:* {meaning}.\n\n*Runbook:* {runbook}.", step
@@ -75,7 +90,7 @@ class Alerter:
     def clear(self, step: int, kind: str, detail: str) -> None:
         if self.open.pop(kind, None) is None:
             return
-        self.events.write("alert_cleared", step=step, kind=kind, detail=detail)
+        self.events.write(ALERT_CLEARED, step=step, kind=kind, detail=detail)
         self.scalars.add(step, {f"alerts/{kind}": 0.0, "alerts/open": len(self.open)})
         self.scalars.text("alerts", f"cleared **{kind}** at step {step}: {detail}", step)
 
@@ -173,7 +188,7 @@ class HealthMonitor:
                 step, {f"health/{dev}/{k}": v for dev, r in snap["devices"].items() for k, v in r.items()}
             )
             self.alerter.events.write(
-                "health", step=step, devices=snap["devices"], errors=snap["errors"], sampled_at=snap["time"]
+                HEALTH, step=step, devices=snap["devices"], errors=snap["errors"], sampled_at=snap["time"]
             )
         if snap is self._seen:
             return None
@@ -192,7 +207,7 @@ class HealthMonitor:
         self.alerter.fire(
             step, "ecc_rising", f"ECC errors rising: {detail}", devices=sorted(rising), action="checkpoint_now"
         )
-        self.alerter.events.write("checkpoint_now", step=step, reason="ecc_rising", detail=detail)
+        self.alerter.events.write(CHECKPOINT_NOW, step=step, reason="ecc_rising", detail=detail)
         self.alerter.scalars.add(step, {"markers/checkpoint_now": 1.0})
         return {"do": "checkpoint_now", "reason": "ecc_rising"}
 
@@ -203,8 +218,8 @@ def write_markers(run_dir: Path, scalars) -> None:
     # Read backwards to the previous worker_ready: this runs on every restart, and a weeks-long run's
     # history must not be parsed on the recovery path.
     since = []
-    for e in events_newest_first(Path(run_dir) / "events.jsonl"):
-        if e["event"] == "worker_ready":
+    for e in events_newest_first(Path(run_dir) / rundir.EVENTS):
+        if e["event"] == WORKER_READY:
             break
         since.append(e)
     for e in reversed(since):
@@ -222,7 +237,7 @@ def build(cfg: Config, *, run_dir: Path, events, scalars, faults) -> list:
         return []
     sources, why = health.open_sources()
     events.write(
-        "health_source",
+        HEALTH_SOURCE,
         sources=[s.name for s in sources],
         every_s=cfg.log.health_every_s,
         **({"note": why} if why else {}),

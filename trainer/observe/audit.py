@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.observe import env_vars, rundir
+
 MAX_PROBLEMS = 20  # a broken pipeline breaks every step; the first few say what is wrong
 
 
@@ -36,14 +38,14 @@ class AuditLog:
         epoch_windows: int,
         skips: list[int],
     ):
-        d = Path(run_dir) / "audit"
+        d = Path(run_dir) / rundir.AUDIT
         d.mkdir(parents=True, exist_ok=True)
         self._fh = open(d / f"process-{process}.jsonl", "a", buffering=1)
         self._write(
             {
                 "header": True,
                 "time": time.time(),
-                "attempt": int(os.environ.get("TRAINER_ATTEMPT", "0")),
+                "attempt": int(os.environ.get(env_vars.ATTEMPT, "0")),
                 "process": process,
                 "processes": processes,
                 "start": start,
@@ -70,7 +72,7 @@ class Session:
 
 def read_sessions(run_dir: Path) -> list[Session]:
     sessions: list[Session] = []
-    for path in sorted((Path(run_dir) / "audit").glob("process-*.jsonl")):
+    for path in sorted((Path(run_dir) / rundir.AUDIT).glob("process-*.jsonl")):
         with open(path) as fh:
             for line in fh:
                 try:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from trainer.observe.event_names import WORKER_START
 from trainer.observe.rundir import dumps
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -131,7 +132,7 @@ def from_last_worker(path: Path, event: str) -> dict | None:
     for e in events_newest_first(path):
         if e.get("event") == event:
             return e
-        if e.get("event") == "worker_start":
+        if e.get("event") == WORKER_START:
             return None
     return None
 

@@ -12,13 +12,18 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from trainer.observe.event_names import (
+    HANG_DETECTED,
+    RESTART,
+    SESSION_STARTS,
+    STEP,
+    WORKER_CLEAN_END,
+    WORKER_EXIT,
+    WORKER_START,
+)
 from trainer.observe.tensorboard import Writer
 
 CATEGORIES = ("productive", "recompute", "checkpoint", "startup", "shutdown", "restart")
-# A worker ends its part of a session cleanly with one of these (the supervisor's copies carry "by").
-CLEAN_END = ("run_complete", "stopped", "preempted")
-# A session is one invocation: a supervisor, or a worker run unsupervised (`--worker`).
-SESSION_START = ("supervisor_start", "session_start")
 
 
 def _sessions(events: list[dict], t_end: float) -> list[tuple[float, float, list[dict]]]:
@@ -27,7 +32,7 @@ def _sessions(events: list[dict], t_end: float) -> list[tuple[float, float, list
     land in the file after the worker's first events."""
     sessions, cur = [], None
     for e in sorted(events, key=lambda e: e["time"]):
-        if e["event"] in SESSION_START:
+        if e["event"] in SESSION_STARTS:
             if cur:
                 sessions.append(cur)
             cur = [e["time"], e["time"], []]
@@ -51,14 +56,14 @@ def ledger(events: list[dict], t_start: float, t_end: float) -> dict:
         first_step_t, fail_t, last_step_t, clean_end_t = None, None, None, None
         for e in evs:
             kind = e["event"]
-            if kind in CLEAN_END and "by" not in e:
+            if kind in WORKER_CLEAN_END and "by" not in e:
                 if last_step_t is not None:
                     secs["checkpoint"] += e["time"] - last_step_t  # waiting for the final save to be durable
                     last_step_t = None
                 clean_end_t = e["time"]
-            elif kind in ("worker_start", "restart"):
+            elif kind in (WORKER_START, RESTART):
                 clean_end_t = None
-            if kind == "step":
+            if kind == STEP:
                 last_step_t = e["time"]
                 block = e.get("ckpt_block_s", 0.0)
                 secs["checkpoint"] += block
@@ -69,9 +74,9 @@ def ledger(events: list[dict], t_start: float, t_end: float) -> dict:
                 if fail_t is not None:
                     recoveries.append(e["time"] - fail_t)
                     fail_t = None
-            elif kind == "worker_exit" and e.get("exit_code", 1) not in (0, 75):
+            elif kind == WORKER_EXIT and e.get("exit_code", 1) not in (0, 75):
                 fail_t = e["time"]
-            elif kind == "hang_detected":
+            elif kind == HANG_DETECTED:
                 fail_t = e["time"]
         if first_step_t is not None and i == 0:
             secs["startup"] += first_step_t - s0

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from trainer.config import SupervisorConfig
+from trainer.observe import env_vars, rundir
 from trainer.observe.events import NO_SPACE
 from trainer.observe.rundir import read_json, write_json
 
@@ -30,7 +31,7 @@ def phase_timeout(sc: SupervisorConfig, phase: str) -> float:
 
 
 def heartbeat_path(run_dir: Path, process: int) -> Path:
-    return Path(run_dir) / "heartbeat" / f"worker-{process}.json"
+    return Path(run_dir) / rundir.HEARTBEAT / f"worker-{process}.json"
 
 
 class Heartbeat:
@@ -49,7 +50,7 @@ class Heartbeat:
                     "step": step,
                     "time": time.time(),
                     "pid": os.getpid(),
-                    "launch": os.environ.get("TRAINER_LAUNCH_ID", ""),
+                    "launch": os.environ.get(env_vars.LAUNCH_ID, ""),
                     "data": self.data,
                 },
                 indent=None,

@@ -9,13 +9,21 @@ from pathlib import Path
 
 from trainer.config import FROZEN_KEYS, Config, ConfigError, to_dict
 from trainer.observe import checkpoint_files, goodput, rundir, runview
+from trainer.observe.event_names import (
+    ATTEMPT_STARTS,
+    INIT,
+    RESTART,
+    RUN_COMPLETE,
+    SESSION_STARTS,
+    WORKER_FINISHED,
+    WORKER_START,
+)
 from trainer.observe.events import events_newest_first, read_events
 from trainer.observe.progress import fmt_loss
 
 # What must match the run dir's config.yaml for "already finished" to be the answer; any other change to
 # these goes to the worker, which refuses it (or, for data, compares the corpus fingerprint).
 SAME_RUN_KEYS = (*FROZEN_KEYS, "data.path", "data.default_corpus_mb")
-WORKER_END = ("run_complete", "stopped")  # how a worker ends a run on purpose (the supervisor's copies carry "by")
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
@@ -54,7 +62,7 @@ def complete_line(run_dir: Path, step: int) -> str:
     summary = rundir.read_json(run_dir / rundir.SUMMARY) or {}
     loss = fmt_loss(summary.get("final_loss"))
     parts = [f"run complete at step {step}: {run_dir / rundir.SUMMARY} (final loss {loss})"]
-    if (md := run_dir / "report" / "report.md").is_file():
+    if (md := run_dir / rundir.REPORT / rundir.REPORT_MD).is_file():
         parts.append(f"report {md}")
     if (run_dir / rundir.TENSORBOARD).is_dir():
         parts.append(f"TensorBoard: tensorboard --logdir {run_dir / rundir.TENSORBOARD}")
@@ -72,9 +80,9 @@ def stopped_line(run_dir: Path, step: int) -> str:
 def worker_end(run_dir: Path) -> dict | None:
     """The event with which the worker of the latest session ended the run on purpose, if it did."""
     for e in events_newest_first(Path(run_dir) / rundir.EVENTS):
-        if e.get("event") in WORKER_END and "by" not in e:
+        if e.get("event") in WORKER_FINISHED and "by" not in e:
             return e
-        if e.get("event") in (*goodput.SESSION_START, "worker_start", "init", "restore"):
+        if e.get("event") in (*SESSION_STARTS, WORKER_START, *ATTEMPT_STARTS):
             return None
     return None
 
@@ -83,7 +91,7 @@ def end_line(run_dir: Path) -> str | None:
     e = worker_end(run_dir)
     if e is None:
         return None
-    return complete_line(run_dir, e["step"]) if e["event"] == "run_complete" else stopped_line(run_dir, e["step"])
+    return complete_line(run_dir, e["step"]) if e["event"] == RUN_COMPLETE else stopped_line(run_dir, e["step"])
 
 
 def finished(cfg: Config) -> str | None:
@@ -128,7 +136,7 @@ def _rebuild_summary(run_dir: Path, step: int, old: dict) -> str | None:
         (
             e
             for e in events_newest_first(run_dir / rundir.EVENTS)
-            if e.get("event") == "run_complete" and "by" not in e and e.get("step") == step and "params_sha256" in e
+            if e.get("event") == RUN_COMPLETE and "by" not in e and e.get("step") == step and "params_sha256" in e
         ),
         None,
     )
@@ -136,7 +144,7 @@ def _rebuild_summary(run_dir: Path, step: int, old: dict) -> str | None:
         return None
     events = read_events(run_dir / rundir.EVENTS)
     led = goodput.ledger(events, events[0]["time"], events[-1]["time"])
-    init = next((e for e in reversed(events) if e["event"] == "init" and "n_params" in e), {})
+    init = next((e for e in reversed(events) if e["event"] == INIT and "n_params" in e), {})
     summary = {k: v for k, v in old.items() if k == "data_fingerprint"}
     summary.update(
         final_step=step,
@@ -144,7 +152,7 @@ def _rebuild_summary(run_dir: Path, step: int, old: dict) -> str | None:
         params_sha256=done["params_sha256"],
         **({"n_params": init["n_params"]} if init else {}),
         goodput=led["goodput"],
-        restarts=sum(e["event"] == "restart" for e in events),
+        restarts=sum(e["event"] == RESTART for e in events),
         recoveries_s=led["recoveries_s"],
         wall_s=led["wall_s"],
     )

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from trainer.config import ConfigError
 from trainer.observe import checkpoint_files, manifest, runview
+from trainer.observe.event_names import SESSION_STARTS
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ def live_pid(run_dir: Path) -> int | None:
         return None
     if not runview.run_state(view)[1]:
         return None
-    starts = [e for e in view.events if e["event"] in ("supervisor_start", "session_start")]
+    starts = [e for e in view.events if e["event"] in SESSION_STARTS]
     return (starts[-1] if starts else {}).get("pid") or (view.heartbeat or {}).get("pid")
 
 

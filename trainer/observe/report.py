@@ -12,20 +12,38 @@ import sys
 from pathlib import Path
 
 from trainer.config import ConfigError
-from trainer.observe import goodput, runview, status
+from trainer.observe import goodput, rundir, runview, status
 from trainer.observe.alerts import ALERTS
+from trainer.observe.event_names import (
+    ALERT,
+    ALERT_CLEARED,
+    ATTEMPT_STARTS,
+    CHECKPOINT_NOW,
+    CHECKPOINT_SAVED,
+    HANG_DETECTED,
+    REPORT_FAILED,
+    RESTART,
+    RESTORE,
+    REWIND,
+    RUNBOOK_GAVE_UP,
+    SESSION_STARTS,
+    SKIP,
+    SOFTEN,
+    SPIKE_DETECTED,
+    STEP,
+)
 
 # event -> (label, colour, line style) of the vertical markers drawn on the series plots
 MARKER_STYLE = {
-    "restart": ("restart", "tab:red", "--"),
-    "hang_detected": ("hang", "darkred", ":"),
-    "spike_detected": ("spike", "magenta", "-."),
-    "rewind": ("rewind", "tab:purple", "--"),
-    "skip": ("skip", "tab:orange", ":"),
-    "soften": ("soften", "tab:brown", "-."),
-    "runbook_gave_up": ("runbook gave up", "black", "-"),
-    "checkpoint_now": ("checkpoint now", "black", ":"),
-    "restore": ("resumed from checkpoint", "tab:green", ":"),
+    RESTART: ("restart", "tab:red", "--"),
+    HANG_DETECTED: ("hang", "darkred", ":"),
+    SPIKE_DETECTED: ("spike", "magenta", "-."),
+    REWIND: ("rewind", "tab:purple", "--"),
+    SKIP: ("skip", "tab:orange", ":"),
+    SOFTEN: ("soften", "tab:brown", "-."),
+    RUNBOOK_GAVE_UP: ("runbook gave up", "black", "-"),
+    CHECKPOINT_NOW: ("checkpoint now", "black", ":"),
+    RESTORE: ("resumed from checkpoint", "tab:green", ":"),
 }
 GOODPUT_COLOURS = {
     "productive": "tab:green",
@@ -41,9 +59,9 @@ def _attempts(events: list[dict]) -> list[list[dict]]:
     """Step records split into worker attempts: a restart's recomputed steps draw as their own line."""
     out: list[list[dict]] = []
     for e in events:
-        if e["event"] in runview.ATTEMPT_START or not out:
+        if e["event"] in ATTEMPT_STARTS or not out:
             out.append([])
-        if e["event"] == "step":
+        if e["event"] == STEP:
             out[-1].append(e)
     return [a for a in out if a]
 
@@ -98,12 +116,10 @@ def _save(fig, plt, out: Path) -> None:
 def _alert_spans(ax, events: list[dict], kind: str, colour: str) -> None:
     start, last_step, labelled = None, 0, False
     for e in events:
-        last_step = e.get("step", last_step) if e["event"] == "step" else last_step
-        if e["event"] == "alert" and e["kind"] == kind:
+        last_step = e.get("step", last_step) if e["event"] == STEP else last_step
+        if e["event"] == ALERT and e["kind"] == kind:
             start = e["step"]
-        elif start is not None and (
-            e["event"] == "alert_cleared" and e["kind"] == kind or e["event"] in runview.ATTEMPT_START
-        ):
+        elif start is not None and (e["event"] == ALERT_CLEARED and e["kind"] == kind or e["event"] in ATTEMPT_STARTS):
             ax.axvspan(
                 start,
                 e.get("step") or last_step,
@@ -153,7 +169,7 @@ def plot_throughput(v: runview.RunView, plt, out: Path) -> None:
     ax.set_ylabel("tokens/s")
     _alert_spans(ax, v.events, "throughput_drop", "tab:orange")
     _markers(ax, v.events)
-    saves = sorted({e["step"] for e in v.events if e["event"] == "checkpoint_saved"})
+    saves = sorted({e["step"] for e in v.events if e["event"] == CHECKPOINT_SAVED})
     for i, step in enumerate(saves):
         ax.axvline(step, color="gray", lw=0.8, alpha=0.5, label=None if i else "checkpoint saved")
     if rec:  # MFU is tokens/s times a constant (FLOPs per token / peak): the same line, a second scale
@@ -212,7 +228,7 @@ def goodput_table(led: dict) -> list[str]:
 
 
 def _markdown(v: runview.RunView, led: dict, pngs: list[str]) -> str:
-    alerts = [e for e in v.events if e["event"] == "alert"]
+    alerts = [e for e in v.events if e["event"] == ALERT]
     lines = [
         "# Run report",
         "",
@@ -250,17 +266,17 @@ def write(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     v = runview.load(run_dir)
-    out = Path(out_dir) if out_dir else v.run_dir / "report"
+    out = Path(out_dir) if out_dir else v.run_dir / rundir.REPORT
     out.mkdir(parents=True, exist_ok=True)
     _, live = runview.run_state(v)
     led = runview.ledger_now(v, live)
-    restarts = sum(e["event"] == "restart" for e in v.events)
-    resumes = max(sum(e["event"] in goodput.SESSION_START for e in v.events) - 1, 0)
+    restarts = sum(e["event"] == RESTART for e in v.events)
+    resumes = max(sum(e["event"] in SESSION_STARTS for e in v.events) - 1, 0)
     plot_loss(v, plt, out / "loss.png")
     plot_grad_norm(v, plt, out / "grad_norm.png")
     plot_throughput(v, plt, out / "throughput.png")
     plot_goodput(led, restarts, plt, out / "goodput.png", resumes=resumes)
-    md = out / "report.md"
+    md = out / rundir.REPORT_MD
     md.write_text(_markdown(v, led, ["loss.png", "grad_norm.png", "throughput.png", "goodput.png"]))
     return md
 
@@ -272,7 +288,7 @@ def write_safely(run_dir: str | Path, log=None) -> Path | None:
     except Exception as e:  # any plotting/IO problem: say so and carry on
         print(f"warning: could not write the run report: {e!r}", file=sys.stderr)
         if log is not None:
-            log("report_failed", error=repr(e)[:300])
+            log(REPORT_FAILED, error=repr(e)[:300])
         return None
 
 

@@ -14,11 +14,19 @@ from pathlib import Path
 
 from trainer.config import ConfigError
 
+# Everything directly under a run dir (the checkpoint folders: trainer.observe.checkpoint_files).
 EVENTS = "events.jsonl"
 SUMMARY = "summary.json"
-CONFIG = "config.yaml"
+CONFIG = "config.yaml"  # the resolved config
+RUNBOOK = "runbook.json"  # the spike runbook's state: skipped batches, softened hyperparameters
+FAULTS_FIRED = "faults_fired.json"  # the injected faults that have fired, so a restart does not fire them again
 TENSORBOARD = "tb"
+HEARTBEAT = "heartbeat"  # worker-PROCESS.json: each process's latest phase and step
 STACKS = "stacks"  # worker-PID.txt: a hung worker's Python stacks, dumped before the kill
+LOGS = "logs"  # worker-ATTEMPT.log: each attempt's output, as the supervisor saw it
+AUDIT = "audit"  # process-I.jsonl: the data each process consumed (data.audit)
+REPORT = "report"  # the end-of-run report: REPORT_MD and its plots
+REPORT_MD = "report.md"
 
 
 def check_writable(run_dir: str | Path) -> None:
@@ -41,13 +49,18 @@ def check_writable(run_dir: str | Path) -> None:
         )
 
 
+def stack_file(run_dir: str | Path, pid: int | str) -> Path:
+    """Where the worker process `pid` dumps its Python stacks (pid "*": the glob of them all)."""
+    return Path(run_dir) / STACKS / f"worker-{pid}.txt"
+
+
 def drop_empty_stacks(run_dir: Path, pids: list[int] | None = None) -> None:
     """Remove the stack files of workers (all, or those `pids`) that never had to dump: every worker opens
     one at start, because faulthandler needs the file before a hang, but only a hang fills it."""
     folder = Path(run_dir) / STACKS
-    names = [f"worker-{pid}.txt" for pid in pids] if pids is not None else None
+    names = [stack_file(run_dir, pid).name for pid in pids] if pids is not None else None
     try:  # peers of a process group tidy up at the same moment: whatever one of them removed is gone
-        for f in folder.glob("worker-*.txt"):
+        for f in folder.glob(stack_file(run_dir, "*").name):
             if (names is None or f.name in names) and f.stat().st_size == 0:
                 f.unlink(missing_ok=True)
         if folder.is_dir() and not any(folder.iterdir()):

@@ -13,18 +13,19 @@ from pathlib import Path
 
 from trainer.config import Config, ConfigError, from_tree
 from trainer.observe import goodput, heartbeat, rundir
+from trainer.observe.event_names import (
+    ALERT,
+    ALERT_CLEARED,
+    ATTEMPT_STARTS,
+    EVAL,
+    RUN_ENDED,
+    SESSION_STARTS,
+    STEP,
+    SUPERVISOR_START,
+    WORKER_START,
+)
 from trainer.observe.events import iter_events
 from trainer.yamltree import read_yaml
-
-TERMINAL = {
-    "run_complete": "COMPLETE",
-    "gave_up": "FAILED",
-    "preempted": "PREEMPTED",
-    "stopped": "STOPPED",
-    "spike_exit": "SPIKE EXIT",
-    "runbook_gave_up": "FAILED (the spike runbook gave up)",
-}
-ATTEMPT_START = ("init", "restore")  # the worker writes one of these once per attempt
 
 
 @dataclasses.dataclass
@@ -43,7 +44,7 @@ class RunView:
         the point it went back to, and the recomputed steps replace them as they come."""
         out: dict[int, dict] = {}
         for e in self.events:
-            if e["event"] == "step":
+            if e["event"] == STEP:
                 while out and next(reversed(out)) >= e["step"]:
                     out.popitem()
                 out[e["step"]] = e
@@ -104,12 +105,12 @@ def run_state(v: RunView) -> tuple[str, bool]:
     """(what the run is doing, whether it is live). A terminal event counts only if nothing started after it."""
     state, live_pid = "NOT STARTED", None
     for e in v.events:
-        if e["event"] in goodput.SESSION_START:
+        if e["event"] in SESSION_STARTS:
             state, live_pid = "RUNNING", e.get("pid")
-        elif e["event"] in ATTEMPT_START or e["event"] == "worker_start":
+        elif e["event"] in (*ATTEMPT_STARTS, WORKER_START):
             state = "RUNNING"
-        elif e["event"] in TERMINAL:
-            state = TERMINAL[e["event"]] + (f" ({e['reason']})" if e.get("reason") else "")
+        elif e["event"] in RUN_ENDED:
+            state = RUN_ENDED[e["event"]] + (f" ({e['reason']})" if e.get("reason") else "")
     if state != "RUNNING":
         return state, False
     pid = live_pid or (v.heartbeat or {}).get("pid")
@@ -124,11 +125,11 @@ def open_alerts(events: list[dict]) -> list[dict]:
     """Alerts raised in the current attempt and not cleared since (a restart closes the old ones)."""
     opened: dict[str, dict] = {}
     for e in events:
-        if e["event"] in ATTEMPT_START or e["event"] == "worker_start":
+        if e["event"] in (*ATTEMPT_STARTS, WORKER_START):
             opened = {}
-        elif e["event"] == "alert":
+        elif e["event"] == ALERT:
             opened[e["kind"]] = e
-        elif e["event"] == "alert_cleared":
+        elif e["event"] == ALERT_CLEARED:
             opened.pop(e["kind"], None)
     return list(opened.values())
 
@@ -136,8 +137,8 @@ def open_alerts(events: list[dict]) -> list[dict]:
 def ledger_now(v: RunView, live: bool) -> dict:
     """The goodput ledger so far; an unsupervised run is one session from its first event."""
     evs = v.events
-    if evs and not any(e["event"] in goodput.SESSION_START for e in evs):  # written before session_start existed
-        evs = [{"event": "supervisor_start", "time": evs[0]["time"]}, *evs]
+    if evs and not any(e["event"] in SESSION_STARTS for e in evs):  # written before session_start existed
+        evs = [{"event": SUPERVISOR_START, "time": evs[0]["time"]}, *evs]
     t_end = v.now if live else (evs[-1]["time"] if evs else v.now)
     return goodput.ledger(evs, evs[0]["time"] if evs else v.now, t_end)
 
@@ -147,9 +148,9 @@ def steady_step_s(run_dir: str | Path, *, skip_first: int = 5) -> float:
     steps left out. Compare runs with log.health / log.tensorboard on and off to price the dashboard."""
     times, seen = [], 0
     for e in load(run_dir).events:
-        if e["event"] in ATTEMPT_START:
+        if e["event"] in ATTEMPT_STARTS:
             seen = 0
-        elif e["event"] == "step":
+        elif e["event"] == STEP:
             seen += 1
             if seen > skip_first and not e.get("ckpt_block_s"):
                 times.append(e["step_s"])
@@ -158,4 +159,4 @@ def steady_step_s(run_dir: str | Path, *, skip_first: int = 5) -> float:
 
 def latest_evals(events: list[dict]) -> dict[int, dict]:
     """step -> the `eval` event of the run's current history (a recomputed step's eval replaces the first)."""
-    return {e["step"]: e for e in events if e["event"] == "eval"}
+    return {e["step"]: e for e in events if e["event"] == EVAL}

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainer.config import RunbookConfig
+from trainer.observe.event_names import SPIKE_DETECTED, STEP
 from trainer.observe.events import events_newest_first
 
 
@@ -126,7 +127,7 @@ class SpikeDetector:
         # Elevated steps right before this one belong to the spike; never reach back past the window.
         began = max(self._onset if self._onset is not None else step, step - self.cfg.window + 1)
         fired = dict(fired, began=began)
-        self.log("spike_detected", step=step, **fired)
+        self.log(SPIKE_DETECTED, step=step, **fired)
         self._onset, self._grad_high = None, 0
         if probe and self.cfg.probe_steps and step < self.stop_step:
             self._probe = _Probe(fired, bars, end=step, left=self.cfg.probe_steps)
@@ -170,7 +171,7 @@ def recent_steps(path: Path, *, upto: int, n: int) -> list[dict]:
     rewind) counts once, by its latest record: that is the trajectory the run continues from."""
     seen: dict[int, dict] = {}
     for e in events_newest_first(path):
-        if e.get("event") == "step" and e["step"] <= upto and e["step"] not in seen:
+        if e.get("event") == STEP and e["step"] <= upto and e["step"] not in seen:
             # events.jsonl is strict JSON: a NaN/Inf metric was written as null
             seen[e["step"]] = {k: math.nan if v is None else v for k, v in e.items()}
             if len(seen) == n:

@@ -12,6 +12,7 @@ import sys
 
 from trainer.config import ConfigError
 from trainer.observe import goodput
+from trainer.observe.event_names import ALERT, CHECKPOINT_SAVED, HEALTH, RESTART, REWIND, RUNBOOK_EVENTS
 from trainer.observe.progress import fmt_duration, fmt_loss
 from trainer.observe.runview import RunView, latest_evals, ledger_now, load, open_alerts, overdue_limit, run_state
 
@@ -87,20 +88,20 @@ def _progress_line(v: RunView, steps: dict[int, dict], live: bool) -> str:
 
 
 def _ops_lines(v: RunView, live: bool) -> list[str]:
-    saves = [e for e in v.events if e["event"] == "checkpoint_saved"]
+    saves = [e for e in v.events if e["event"] == CHECKPOINT_SAVED]
     out = [
         f"ckpt      step {saves[-1]['step']} ({saves[-1].get('reason', '?')}), "
         f"{fmt_duration(v.now - saves[-1]['time'])} ago; {len(saves)} saves"
         if saves
         else "ckpt      none yet"
     ]
-    restarts = [e for e in v.events if e["event"] == "restart"]
+    restarts = [e for e in v.events if e["event"] == RESTART]
     why = "; ".join(f"{e.get('reason', '?')} at step {e.get('step')}" for e in restarts[-3:])
     out.append(f"restarts  {len(restarts)}" + (f"  (last: {why})" if restarts else ""))
-    actions = [e for e in v.events if e["event"] in ("spike_detected", "rewind", "skip", "soften", "runbook_gave_up")]
+    actions = [e for e in v.events if e["event"] in RUNBOOK_EVENTS]
     if actions:
         what = ", ".join(f"{e['event']} at step {e.get('step')}" for e in actions[-4:])
-        out.append(f"runbook   {sum(e['event'] == 'rewind' for e in actions)} rewinds (last: {what})")
+        out.append(f"runbook   {sum(e['event'] == REWIND for e in actions)} rewinds (last: {what})")
     led = ledger_now(v, live)
     fr = led["goodput"]["fractions"]
     shares = "  ".join(f"{k} {fr[k]:.0%}" for k in goodput.CATEGORIES)
@@ -110,7 +111,7 @@ def _ops_lines(v: RunView, live: bool) -> list[str]:
 
 def _alert_lines(v: RunView, live: bool) -> list[str]:
     alerts = open_alerts(v.events)
-    n_all = sum(e["event"] == "alert" for e in v.events)
+    n_all = sum(e["event"] == ALERT for e in v.events)
     out = [f"alerts    {len(alerts)} open, {n_all} raised in total" + (":" if alerts else "")]
     for a in alerts:
         out.append(f"  ! step {a.get('step')} {a['kind']}: {a.get('detail', '')}")
@@ -128,7 +129,7 @@ def _alert_lines(v: RunView, live: bool) -> list[str]:
 
 
 def _health_line(v: RunView) -> str:
-    last = next((e for e in reversed(v.events) if e["event"] == "health"), None)
+    last = next((e for e in reversed(v.events) if e["event"] == HEALTH), None)
     if last is None:
         return "health    no samples (log.health=false or not started)"
     parts = []

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from trainer.config import Fault
+from trainer.observe import rundir
 from trainer.observe.rundir import write_json
 
 
@@ -29,7 +30,7 @@ class FaultInjector:
         self._all = list(enumerate(faults))
         self._faults = self._all if enabled else []
         self._writer = enabled  # nan/spike change the train state: every process applies them, one records
-        self._path = Path(run_dir) / "faults_fired.json"
+        self._path = Path(run_dir) / rundir.FAULTS_FIRED
         self._fired = set(json.loads(self._path.read_text())) if self._path.is_file() else set()
         self._ecc_from: dict[int, tuple[int, int]] = {}  # id(fault) -> (first step, errors per step)
 

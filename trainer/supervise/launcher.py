@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Mapping
 
 from trainer.config import ConfigError, LaunchConfig
+from trainer.observe import env_vars
 from trainer.supervise import exit_codes, membership
 
 PR_SET_PDEATHSIG = 1
@@ -35,7 +36,6 @@ CONTROLLED = (
 # A CONFIG exit is not one: it may be one process's start-up failure while the others wait for it; nor is a
 # STORAGE exit: the process whose save failed leaves at once.
 PEERS_FOLLOW = (exit_codes.OK, exit_codes.PREEMPTED, exit_codes.SPIKE, exit_codes.REPLICA_MISMATCH)
-ENV_LAUNCH_ID = "TRAINER_LAUNCH_ID"  # workers put it in their heartbeats: stale files of old attempts never match
 
 
 def die_with_parent() -> None:
@@ -125,11 +125,11 @@ class LocalGroup(Group):
     def __init__(self, argv: list[str], env: Mapping[str, str], *, processes: int, port: int, grace_s: float):
         self.processes, self.nodes, self.launch_id = processes, [], uuid.uuid4().hex[:12]
         self._grace_s = grace_s
-        base = dict(env, **{ENV_LAUNCH_ID: self.launch_id})
+        base = dict(env, **{env_vars.LAUNCH_ID: self.launch_id})
         if processes > 1:
-            base.update({membership.ENV_PROCESSES: str(processes), membership.ENV_COORDINATOR: f"127.0.0.1:{port}"})
+            base.update({env_vars.NUM_PROCESSES: str(processes), env_vars.COORDINATOR: f"127.0.0.1:{port}"})
         self.procs = [
-            _spawn(argv, dict(base, **({membership.ENV_PROCESS_ID: str(i)} if processes > 1 else {})))
+            _spawn(argv, dict(base, **({env_vars.PROCESS_ID: str(i)} if processes > 1 else {})))
             for i in range(processes)
         ]
         self.pid = self.procs[0].pid
@@ -298,10 +298,10 @@ class Launcher:
         self._last: Group | None = None
         self.allocated: list[str] = []
         if cfg.mode == "slurm":
-            if "SLURM_JOB_ID" not in env:
+            if env_vars.SLURM_JOB_ID not in env:
                 raise ConfigError("launch.mode=slurm needs a SLURM allocation (run launch/slurm.sbatch with sbatch)")
-            self.job = env["SLURM_JOB_ID"]
-            self.allocated = hostnames(env["SLURM_JOB_NODELIST"])
+            self.job = env[env_vars.SLURM_JOB_ID]
+            self.allocated = hostnames(env[env_vars.SLURM_JOB_NODELIST])
             need = cfg.processes // cfg.processes_per_node
             if len(self.allocated) < need and not cfg.min_processes:
                 raise ConfigError(
@@ -310,7 +310,7 @@ class Launcher:
                 )
 
     def start(self, attempt: int, argv: list[str], env: Mapping[str, str]) -> Group:
-        env = dict(env, **{membership.ENV_ATTEMPT: str(attempt)})
+        env = dict(env, **{env_vars.ATTEMPT: str(attempt)})
         if self.cfg.mode == "local":
             port = self.cfg.coordinator_port + attempt if self.cfg.coordinator_port else free_port()
             self._last = LocalGroup(argv, env, processes=self.cfg.processes, port=port, grace_s=self.cfg.exit_grace_s)
@@ -326,7 +326,9 @@ class Launcher:
             min_processes=self.cfg.min_processes,
         )
         launch_id = f"trainer-{uuid.uuid4().hex[:8]}"
-        env.update({ENV_LAUNCH_ID: launch_id, membership.ENV_PORT: str(membership.slurm_port(self.cfg, env))})
+        env.update(
+            {env_vars.LAUNCH_ID: launch_id, env_vars.COORDINATOR_PORT: str(membership.slurm_port(self.cfg, env))}
+        )
         cmd = srun_command(argv, nodes=nodes, processes=n, per_node=self.cfg.processes_per_node, launch_id=launch_id)
         self._last = SrunGroup(cmd, env, processes=n, nodes=nodes, launch_id=launch_id, job_id=self.job)
         return self._last

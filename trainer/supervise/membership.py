@@ -10,13 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from trainer.config import ConfigError, LaunchConfig
-
-# Explicit settings: the local launcher sets these, and so can a user on any other launcher.
-ENV_PROCESSES = "TRAINER_NUM_PROCESSES"
-ENV_PROCESS_ID = "TRAINER_PROCESS_ID"
-ENV_COORDINATOR = "TRAINER_COORDINATOR"  # host:port of process 0
-ENV_PORT = "TRAINER_COORDINATOR_PORT"  # under SLURM: the port; the host is the step's first node
-ENV_ATTEMPT = "TRAINER_ATTEMPT"  # set by the supervisor: restarts use a fresh coordinator port
+from trainer.observe import env_vars
 
 
 @dataclass(frozen=True)
@@ -39,24 +33,30 @@ def first_host(nodelist: str) -> str:
 def slurm_port(cfg: LaunchConfig, env: Mapping[str, str]) -> int:
     """Same on every task without talking: derived from the job id (or the configured base), plus the
     attempt, so a restarted step never waits for the killed coordinator's port."""
-    base = cfg.coordinator_port or 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
-    return base + int(env.get(ENV_ATTEMPT, "0")) % 1000
+    base = cfg.coordinator_port or 20000 + int(env.get(env_vars.SLURM_JOB_ID, "0")) % 20000
+    return base + int(env.get(env_vars.ATTEMPT, "0")) % 1000
 
 
 def in_slurm_step(env: Mapping[str, str]) -> bool:
     # The batch script has SLURM_JOB_ID and SLURM_NTASKS too, but it is one shell, not one task of many.
-    return "SLURM_STEP_ID" in env and "SLURM_PROCID" in env and env.get("SLURM_STEP_ID") not in ("batch", "extern")
+    return (
+        env_vars.SLURM_STEP_ID in env
+        and env_vars.SLURM_PROCID in env
+        and env.get(env_vars.SLURM_STEP_ID) not in ("batch", "extern")
+    )
 
 
 def detect(cfg: LaunchConfig, env: Mapping[str, str] = os.environ) -> Membership:
-    if ENV_PROCESSES in env:
-        n = int(env[ENV_PROCESSES])
-        if n > 1 and not (env.get(ENV_PROCESS_ID) and env.get(ENV_COORDINATOR)):
-            raise ConfigError(f"{ENV_PROCESSES}={n} also needs {ENV_PROCESS_ID} and {ENV_COORDINATOR} (host:port)")
-        return Membership(n, int(env.get(ENV_PROCESS_ID, "0")), env.get(ENV_COORDINATOR, ""), "explicit")
+    if env_vars.NUM_PROCESSES in env:
+        n = int(env[env_vars.NUM_PROCESSES])
+        if n > 1 and not (env.get(env_vars.PROCESS_ID) and env.get(env_vars.COORDINATOR)):
+            raise ConfigError(
+                f"{env_vars.NUM_PROCESSES}={n} also needs {env_vars.PROCESS_ID} and {env_vars.COORDINATOR} (host:port)"
+            )
+        return Membership(n, int(env.get(env_vars.PROCESS_ID, "0")), env.get(env_vars.COORDINATOR, ""), "explicit")
     if in_slurm_step(env):
-        n = int(env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"])
-        port = int(env.get(ENV_PORT) or slurm_port(cfg, env))
-        host = first_host(env["SLURM_STEP_NODELIST"])
-        return Membership(n, int(env["SLURM_PROCID"]), f"{host}:{port}", "slurm")
+        n = int(env.get(env_vars.SLURM_STEP_NUM_TASKS) or env[env_vars.SLURM_NTASKS])
+        port = int(env.get(env_vars.COORDINATOR_PORT) or slurm_port(cfg, env))
+        host = first_host(env[env_vars.SLURM_STEP_NODELIST])
+        return Membership(n, int(env[env_vars.SLURM_PROCID]), f"{host}:{port}", "slurm")
     return Membership(1, 0, "", "single")

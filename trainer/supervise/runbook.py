@@ -14,12 +14,20 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from trainer.config import Config, ConfigError, OptimConfig, RunbookConfig
-from trainer.observe import checkpoint_files, events
+from trainer.observe import checkpoint_files, events, rundir
+from trainer.observe.event_names import (
+    REWIND,
+    RUNBOOK_GAVE_UP,
+    RUNBOOK_RETRIES,
+    SKIP,
+    SOFTEN,
+    SPIKE_EXIT,
+)
 from trainer.observe.rundir import write_json
 from trainer.observe.tensorboard import Writer
 
-STATE_FILE = "runbook.json"
-ACTION_CODES = {"skip": 1.0, "soften": 2.0, "give_up": 3.0}  # the runbook/action TensorBoard marker
+GIVE_UP = "give_up"  # the third action, after SKIP and SOFTEN (event_names.RUNBOOK_RETRIES)
+ACTION_CODES = {SKIP: 1.0, SOFTEN: 2.0, GIVE_UP: 3.0}  # the runbook/action TensorBoard marker
 
 
 def retention_pins(steps: Iterable[int], *, window: int | None, pinned: Iterable[int]) -> set[int]:
@@ -48,7 +56,7 @@ class RunbookState:
 
     @classmethod
     def load(cls, run_dir: Path, optim: OptimConfig) -> RunbookState:
-        p = Path(run_dir) / STATE_FILE
+        p = Path(run_dir) / rundir.RUNBOOK
         saved = _read_state(p) if p.exists() else {}
         return cls(
             skips=saved.get("skips", []),
@@ -61,7 +69,7 @@ class RunbookState:
 
     def save(self, run_dir: Path) -> None:
         # A kill leaves the old state or the new one, never half of each.
-        write_json(Path(run_dir) / STATE_FILE, dataclasses.asdict(self), durable=True)
+        write_json(Path(run_dir) / rundir.RUNBOOK, dataclasses.asdict(self), durable=True)
 
     def hyperparams(self) -> dict[str, float]:
         """The optimizer's injected hyperparameters, set by the worker after every restore or init."""
@@ -103,12 +111,12 @@ def decide(history: list[dict], spike: dict, cfg: RunbookConfig) -> str:
     steps of an earlier skip or soften (then it is the optimizer, not those batches: after a rewind
     and a skip, a spike at the same place is at the same step, on other data); give up when the budget
     is spent."""
-    done = [h for h in history if h["action"] in ("skip", "soften")]
+    done = [h for h in history if h["action"] in RUNBOOK_RETRIES]
     if len(done) >= cfg.max_actions:
-        return "give_up"
+        return GIVE_UP
     if any(abs(spike["began"] - h["began"]) <= cfg.recur_distance for h in done):
-        return "soften"
-    return "skip"
+        return SOFTEN
+    return SKIP
 
 
 def rewind(run_dir: Path, began: int, tag: int) -> tuple[int, list[int]]:
@@ -139,9 +147,9 @@ def sample_ranges(batches: list[int], global_batch: int) -> list[list[int]]:
 
 def describe(h: dict) -> str:
     what = {
-        "skip": f"skipped batches {_span(h['batches'])}",
-        "soften": f"softened: LR scale {h.get('lr_scale')}, clip {h.get('clip_norm')}, b2 {h.get('b2')}",
-        "give_up": "gave up",
+        SKIP: f"skipped batches {_span(h['batches'])}",
+        SOFTEN: f"softened: LR scale {h.get('lr_scale')}, clip {h.get('clip_norm')}, b2 {h.get('b2')}",
+        GIVE_UP: "gave up",
     }[h["action"]]
     value = f"{h['value']:.4g}" if isinstance(h["value"], float) else h["value"]
     value = "NaN/Inf" if value is None else value  # strict JSON: a non-finite value is stored as null
@@ -165,11 +173,11 @@ def respond(run_dir: Path, cfg: Config, write_event: Callable[..., None]) -> Out
     """The supervisor's half, run when the worker exits SPIKE: decide, rewind, record; the supervisor then
     restarts the worker at once (or stops, on give_up)."""
     run_dir = Path(run_dir)
-    spike = events.from_last_worker(run_dir / "events.jsonl", "spike_exit")
+    spike = events.from_last_worker(run_dir / rundir.EVENTS, SPIKE_EXIT)
     if spike is None:
         msg = "runbook: the worker exited SPIKE but wrote no spike_exit event; nothing to act on"
-        write_event("runbook_gave_up", message=msg)
-        return Outcome("give_up", msg)
+        write_event(RUNBOOK_GAVE_UP, message=msg)
+        return Outcome(GIVE_UP, msg)
     state = RunbookState.load(run_dir, cfg.optim)
     n = len(state.history) + 1
     action = decide(state.history, spike, cfg.runbook)
@@ -177,9 +185,9 @@ def respond(run_dir: Path, cfg: Config, write_event: Callable[..., None]) -> Out
     # the old checkpoint, which replays to the same spike, and the runbook simply runs again.
     target, moved = rewind(run_dir, spike["began"], n)
     rc = cfg.runbook
-    if action == "skip":
+    if action == SKIP:
         state.skips = sorted(set(state.skips) | set(spike["batches"]))
-    elif action == "soften":
+    elif action == SOFTEN:
         state.lr_scale *= rc.lr_factor
         state.clip_norm *= rc.clip_factor
         state.b2 = rc.b2 or state.b2
@@ -191,14 +199,14 @@ def respond(run_dir: Path, cfg: Config, write_event: Callable[..., None]) -> Out
         "to": target,
         **{k: spike.get(k) for k in ("began", "end", "signal", "value", "threshold", "batches", "open")},
     }
-    if action == "soften":
+    if action == SOFTEN:
         rec.update(state.hyperparams(), peak_lr=cfg.optim.lr * state.lr_scale)
     state.history.append(rec)
     state.save(run_dir)
-    write_event("rewind", step=spike["step"], n=n, moved=moved, **{"from": spike["step"], "to": target})
-    if action == "skip":
+    write_event(REWIND, step=spike["step"], n=n, moved=moved, **{"from": spike["step"], "to": target})
+    if action == SKIP:
         write_event(
-            "skip",
+            SKIP,
             step=rec["began"],
             n=n,
             steps=[rec["began"], rec["end"]],
@@ -206,10 +214,10 @@ def respond(run_dir: Path, cfg: Config, write_event: Callable[..., None]) -> Out
             samples=sample_ranges(rec["batches"], cfg.data.batch_size),
             skipped_total=len(state.skips),
         )
-    elif action == "soften":
-        write_event("soften", step=rec["began"], n=n, **state.hyperparams(), peak_lr=rec["peak_lr"])
+    elif action == SOFTEN:
+        write_event(SOFTEN, step=rec["began"], n=n, **state.hyperparams(), peak_lr=rec["peak_lr"])
     message = f"runbook: {describe(rec)}"
-    if action == "give_up":
+    if action == GIVE_UP:
         tried = [describe(h) for h in state.history[:-1]]
         message = (
             f"runbook gave up after {len(tried)} actions (runbook.max_actions={rc.max_actions}): the spike "
@@ -217,9 +225,9 @@ def respond(run_dir: Path, cfg: Config, write_event: Callable[..., None]) -> Out
             f"The run dir is back at the last good checkpoint (step {target}); raise runbook.max_actions "
             f"or lower optim.lr, then rerun to continue."
         )
-        write_event("runbook_gave_up", step=spike["step"], tried=tried, message=message)
+        write_event(RUNBOOK_GAVE_UP, step=spike["step"], tried=tried, message=message)
     if cfg.log.tensorboard:
-        _tensorboard(run_dir / "tb", rec, state, cfg, message)
+        _tensorboard(run_dir / rundir.TENSORBOARD, rec, state, cfg, message)
     return Outcome(action, message)
 
 

@@ -18,8 +18,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.config import Config
-from trainer.observe import goodput, heartbeat, outcome, rundir
+from trainer.observe import env_vars, goodput, heartbeat, outcome, rundir
 from trainer.observe.alerts import ALERTS
+from trainer.observe.event_names import (
+    ALERT,
+    ALERT_CLEARED,
+    GAVE_UP,
+    HANG_DETECTED,
+    PREEMPTED,
+    RESTART,
+    RUN_COMPLETE,
+    STACKS_DUMPED,
+    SUPERVISOR_START,
+    WORKER_EXIT,
+    WORKER_START,
+)
 from trainer.observe.events import EventLog, read_events
 from trainer.supervise import exit_codes, launcher, replica_rewind, runbook
 from trainer.supervise.noise import is_library_noise
@@ -48,12 +61,12 @@ class Supervisor:
 
     # --- worker lifecycle -------------------------------------------------------------------
     def _start(self, number: int) -> Attempt:
-        log_dir = self.run_dir / "logs"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TRAINER_ATTEMPT=str(number))
+        log_dir = self.run_dir / rundir.LOGS
+        env = dict(os.environ, **{env_vars.PYTHONUNBUFFERED: "1", env_vars.ATTEMPT: str(number)})
         proc = self.launcher.start(number, self.worker_argv, env)
         att = Attempt(number, proc, time.time())
         threading.Thread(target=self._pump, args=(att, log_dir), daemon=True).start()
-        self.events.write("worker_start", pid=proc.pid, attempt=number, **self.launcher.describe())
+        self.events.write(WORKER_START, pid=proc.pid, attempt=number, **self.launcher.describe())
         return att
 
     def _pump(self, att: Attempt, log_dir: Path) -> None:
@@ -103,7 +116,7 @@ class Supervisor:
             return False
         self.events.open()
         self.events.write(
-            "hang_detected",
+            HANG_DETECTED,
             step=step,
             pid=att.proc.pid,
             phase=phase,
@@ -124,7 +137,7 @@ class Supervisor:
             self.overdue = (att.proc.pid, since)
             meaning, action = ALERTS["step_overdue"]
             self.events.write(
-                "alert",
+                ALERT,
                 step=step,
                 kind="step_overdue",
                 phase=phase,
@@ -136,14 +149,14 @@ class Supervisor:
             )
         elif self.overdue is not None and self.overdue != (att.proc.pid, since):
             self.overdue = None
-            self.events.write("alert_cleared", step=step, kind="step_overdue", detail=f"heartbeat moved ({phase})")
+            self.events.write(ALERT_CLEARED, step=step, kind="step_overdue", detail=f"heartbeat moved ({phase})")
 
     def _dump_stacks(self, att: Attempt) -> None:
         """The workers registered faulthandler on SIGUSR1: ask every process for its Python stacks before
         the kill (under SLURM their pids are known only from their heartbeats)."""
         pids = att.proc.worker_pids() or [hb["pid"] for hb in self._heartbeats(att) if hb]
         att.proc.send_signal(signal.SIGUSR1)
-        files = [self.run_dir / "stacks" / f"worker-{pid}.txt" for pid in pids]
+        files = [rundir.stack_file(self.run_dir, pid) for pid in pids]
         sizes: dict = {}
 
         def written(f) -> bool:  # and no longer growing: faulthandler writes one thread after another
@@ -154,7 +167,7 @@ class Supervisor:
         while time.time() < deadline and not all(map(written, files)):
             time.sleep(0.1)
         for f in filter(lambda f: sizes.get(f), files):
-            self.events.write("stacks_dumped", path=str(f))
+            self.events.write(STACKS_DUMPED, path=str(f))
 
     def _wait(self, att: Attempt) -> int:
         """Block until the worker exits; returns its code (negative = killed by that signal)."""
@@ -178,7 +191,7 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         t0 = time.time()
-        self.events.write("supervisor_start", pid=os.getpid())
+        self.events.write(SUPERVISOR_START, pid=os.getpid())
         same_step_failures, restarts, last_fail_step = 0, 0, "unset"
         interim_ledger = False
         number = 0
@@ -192,7 +205,7 @@ class Supervisor:
             rundir.drop_empty_stacks(self.run_dir)  # every worker opens one; only a hang dump fills it
             step = _last_step(self.run_dir)
             self.events.write(
-                "worker_exit",
+                WORKER_EXIT,
                 step=step,
                 pid=att.proc.pid,
                 attempt=number,
@@ -206,7 +219,7 @@ class Supervisor:
             if code == exit_codes.OK:
                 return self._complete(t0, restarts)
             if code == exit_codes.PREEMPTED or self.stop_signal is not None:
-                self.events.write("preempted", step=step)
+                self.events.write(PREEMPTED, step=step)
                 print(
                     f"supervisor: preempted at step {step}; checkpoint saved. Re-run the same command "
                     f"(or requeue the job) to resume.",
@@ -219,7 +232,7 @@ class Supervisor:
             if code == exit_codes.SPIKE:  # the loss-spike runbook: rewind + skip or soften, restart at once
                 outcome = runbook.respond(self.run_dir, self.cfg, self.events.write)
                 print(f"supervisor: {outcome.message}", file=sys.stderr)
-                if outcome.action == "give_up":
+                if outcome.action == runbook.GIVE_UP:
                     self._write_ledger(t0, restarts)
                     return exit_codes.RUNBOOK_GAVE_UP
                 continue
@@ -246,7 +259,7 @@ class Supervisor:
                 else min(self.sc.backoff_s * 2 ** (same_step_failures - 2), self.sc.backoff_max_s)
             )
             restarts += 1
-            self.events.write("restart", step=step, reason=reason, attempt=number + 1, backoff_s=delay)
+            self.events.write(RESTART, step=step, reason=reason, attempt=number + 1, backoff_s=delay)
             interim_ledger = True
             print(
                 f"supervisor: worker failed ({reason}) at step {step}; restarting in {delay:.1f}s "
@@ -262,7 +275,7 @@ class Supervisor:
     def _give_up(self, code: int, step, reason: str, att: Attempt, t0: float, restarts: int) -> int:
         what = exit_codes.NAMES[code]
         last = "\n".join([t for t in att.tail if not is_library_noise(t)][-10:])
-        self.events.write("gave_up", step=step, reason=what, last_error=reason, restarts=restarts)
+        self.events.write(GAVE_UP, step=step, reason=what, last_error=reason, restarts=restarts)
         try:
             self._write_ledger(t0, restarts)
         except OSError as e:  # a full disk (exit STORAGE) must not hide the message below behind a traceback
@@ -277,7 +290,7 @@ class Supervisor:
 
     def _complete(self, t0: float, restarts: int) -> int:
         end = outcome.worker_end(self.run_dir)  # the run is complete, or stopped at train.stop_at_step
-        self.events.write(end["event"] if end else "run_complete", step=_last_step(self.run_dir), restarts=restarts)
+        self.events.write(end["event"] if end else RUN_COMPLETE, step=_last_step(self.run_dir), restarts=restarts)
         self._write_ledger(t0, restarts)
         if line := outcome.end_line(self.run_dir):
             print(line, file=sys.stderr)
@@ -287,7 +300,7 @@ class Supervisor:
         """Goodput to TensorBoard (at each restart too, so the dashboard shows it during the run); at the
         end of a session also into summary.json, followed by the run report."""
         ledger = goodput.ledger(read_events(self.run_dir / rundir.EVENTS), t0, time.time())
-        goodput.to_tensorboard(self.run_dir / "tb", ledger, restarts, _last_step(self.run_dir) or 0)
+        goodput.to_tensorboard(self.run_dir / rundir.TENSORBOARD, ledger, restarts, _last_step(self.run_dir) or 0)
         if not final:
             return
         path = self.run_dir / rundir.SUMMARY

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from trainer.observe import rundir
+from trainer.observe.event_names import CHECKPOINT_SAVED, STEP
 from trainer.observe.events import iter_events
 
 
@@ -48,10 +50,10 @@ def load_run(run_dir: Path) -> tuple[dict[str, float], list[str]]:
     notes: list[str] = []
     blocking: list[float] = []
     mfus: list[float] = []
-    for ev in _events(run_dir / "events.jsonl", notes):
-        if ev.get("event") == "checkpoint_saved" and _nonneg(ev.get("blocking_s")):
+    for ev in _events(run_dir / rundir.EVENTS, notes):
+        if ev.get("event") == CHECKPOINT_SAVED and _nonneg(ev.get("blocking_s")):
             blocking.append(float(ev["blocking_s"]))
-        elif ev.get("event") == "step" and _nonneg(ev.get("mfu")) and 0 < ev["mfu"] <= 1:
+        elif ev.get("event") == STEP and _nonneg(ev.get("mfu")) and 0 < ev["mfu"] <= 1:
             mfus.append(float(ev["mfu"]))
     # Medians: the first save and the steps after a restart include compilation and warm-up.
     if blocking:
@@ -60,7 +62,7 @@ def load_run(run_dir: Path) -> tuple[dict[str, float], list[str]]:
     if mfus:
         found["mfu"] = statistics.median(mfus)
         notes.append(f"mfu: median of {len(mfus)} step events")
-    restart_s, note = _restart_from_summary(run_dir / "summary.json")
+    restart_s, note = _restart_from_summary(run_dir / rundir.SUMMARY)
     if restart_s is not None:
         found["restart_s"] = restart_s
     notes.append(note)

@@ -1,0 +1,31 @@
+"""The environment variables the project sets and reads, each spelled once (launch/slurm.sbatch, a shell
+script, spells its own). No imports.
+"""
+
+# --- set by the supervisor and its launcher for the worker processes ---------------------------------------
+ATTEMPT = "TRAINER_ATTEMPT"  # the attempt's number: restarts use a fresh coordinator port; unset = unsupervised
+LAUNCH_ID = "TRAINER_LAUNCH_ID"  # workers put it in their heartbeats: stale files of old attempts never match
+# The explicit process group: the local launcher sets these, and so can a user on any other launcher.
+NUM_PROCESSES = "TRAINER_NUM_PROCESSES"
+PROCESS_ID = "TRAINER_PROCESS_ID"
+COORDINATOR = "TRAINER_COORDINATOR"  # host:port of process 0
+COORDINATOR_PORT = "TRAINER_COORDINATOR_PORT"  # under SLURM: the port; the host is the step's first node
+PYTHONUNBUFFERED = "PYTHONUNBUFFERED"  # worker output reaches the supervisor line by line
+
+# --- set for the libraries ---------------------------------------------------------------------------------
+XLA_FLAGS = "XLA_FLAGS"  # run.deterministic adds its flag; recorded in checkpoint metadata
+JAX_PLATFORMS = "JAX_PLATFORMS"
+TOKENIZERS_PARALLELISM = "TOKENIZERS_PARALLELISM"  # Hugging Face tokenizers: one thread per prepare worker
+
+# --- read: SLURM's, for the process group of a job step ----------------------------------------------------
+SLURM_JOB_ID = "SLURM_JOB_ID"
+SLURM_JOB_NODELIST = "SLURM_JOB_NODELIST"
+SLURM_STEP_ID = "SLURM_STEP_ID"
+SLURM_STEP_NODELIST = "SLURM_STEP_NODELIST"
+SLURM_STEP_NUM_TASKS = "SLURM_STEP_NUM_TASKS"
+SLURM_NTASKS = "SLURM_NTASKS"
+SLURM_PROCID = "SLURM_PROCID"
+
+# --- read: tiktoken's cache folders ------------------------------------------------------------------------
+TIKTOKEN_CACHE_DIR = "TIKTOKEN_CACHE_DIR"
+DATA_GYM_CACHE_DIR = "DATA_GYM_CACHE_DIR"
