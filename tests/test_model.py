@@ -162,6 +162,10 @@ def test_bias_gradient_is_the_sum_over_broadcast_axes_in_fp32():
     np.testing.assert_allclose(g_b, plain[1], rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.skipif(
+    jax.__version_info__ < (0, 10, 2),
+    reason="jax < 0.10.2's print_saved_residuals names remat residuals by the reduce_precision it inserts",
+)
 def test_save_dots_keeps_the_attention_output_and_recomputes_the_scores(capsys):
     # A fused attention kernel is no dot: without attn_out saved, save_dots would run its forward again.
     cfg = dataclasses.replace(CFG, remat="save_dots", scan=False)

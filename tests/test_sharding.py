@@ -63,6 +63,23 @@ def test_hlo_counts_loop_bodies_by_trip_count_and_finds_cross_host_groups():
     assert hlo.groups(mesh) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # ids [[0, 4], [1, 5], ...]: axis_1 runs down
 
 
+def test_the_models_logical_constraints_take_effect_under_the_mesh():
+    """jax.set_mesh sets the abstract mesh, which flax reads from 0.11.2 on: with an older flax every
+    nn.with_logical_constraint in the model silently vanishes (and propagation guesses the shardings)."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from trainer.core.mesh import AXES, active
+
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), AXES)
+    with active(mesh):
+        jaxpr = jax.make_jaxpr(lambda x: nn.with_logical_constraint(x, ("batch", "act_embed")))(jnp.ones((2, 4)))
+    assert "sharding_constraint" in str(jaxpr), jaxpr
+
+
 def _inspect_with_dump(mesh: str, dump: Path) -> subprocess.Popen:
     flags = f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_train_step"
     env = dict(child_env(), XLA_FLAGS=flags)
