@@ -42,7 +42,7 @@ def test_every_shipped_config_parses_and_has_its_stated_size():
         ("model.remat=true", "model.remat must be one of none, full, save_dots, save_attention, got 'True'; true is"),
         ("train.microbatches=0", "train.microbatches must be > 0"),
         ("faults=[{kind: crash, step: 3, phase: restore}]", "faults[0].phase must be one of step, startup, restore"),
-        ("faults=[{kind: hang, step: 3, phase: eval}]", "faults[0].phase must be one of"),
+        ("faults=[{kind: hang, step: 3, phase: shutdown}]", "faults[0].phase must be one of"),
     ],
 )
 def test_bad_overrides_name_the_key(override, message):
