@@ -138,16 +138,20 @@ def test_kill_after_waits_for_the_checkpoint_to_be_sealed_not_only_committed(tmp
 
 
 def test_gpu_check_stops_a_part_at_its_time_budget(tmp_path):
-    """gpu_check --cpu-smoke with a 25 s budget: the first part (a trainer run that takes longer) is killed
-    at the budget's end, not checked only between parts, and the rest are skipped."""
+    """gpu_check --cpu-smoke with a 15 s budget, shorter than the whole sequence: the part running when it
+    ends (the first on a loaded machine, the second on an idle one) is killed then, not checked only between
+    parts, and the parts after it are skipped."""
     out = tmp_path / "gpu.json"
-    cmd = [sys.executable, "benchmarks/gpu_check.py", "--cpu-smoke", "--budget-s", "25", "--work", str(tmp_path)]
+    cmd = [sys.executable, "benchmarks/gpu_check.py", "--cpu-smoke", "--budget-s", "15", "--work", str(tmp_path)]
     p = subprocess.run(
         [*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env()
     )
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
-    print({k: r[k] for k in ("wall_s", "gpt-1b", "gpt2-124m")})
-    assert r["wall_s"] < 25 + 10, r["wall_s"]  # the budget, plus killing the run and collecting the result
-    assert r["gpt-1b"]["error"].startswith("stopped: time budget of 25s spent during this part"), r["gpt-1b"]
-    assert all(r[k] == {"skipped": "time budget of 25s spent"} for k in ("gpt2-124m", "bitwise_resume")), r
+    parts = ("gpt-1b", "gpt2-124m", "bitwise_resume")
+    print({k: r.get(k) for k in ("wall_s", *parts)})
+    assert r["wall_s"] < 15 + 10, r["wall_s"]  # the budget, plus killing the run and collecting the result
+    stopped = [k for k in parts if str(r[k].get("error", "")).startswith("stopped: time budget of 15s spent during")]
+    assert len(stopped) == 1, r
+    later = parts[parts.index(stopped[0]) + 1 :]
+    assert all(r[k] == {"skipped": "time budget of 15s spent"} for k in later), r
