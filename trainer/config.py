@@ -254,61 +254,36 @@ def _positive(cfg: Config, *keys: str, allow_zero: bool = False) -> None:
             raise ConfigError(f"{key} must be {need}, got {v}")
 
 
+# Keys that must be > 0, and keys that must be >= 0 (0 means off or none); validate() checks both.
+_POSITIVE = (
+    "model.vocab_size model.seq_len model.d_model model.n_layers checkpoint.mtbf_hours model.n_heads "
+    "data.batch_size train.steps train.microbatches optim.lr optim.clip_norm log.every_steps "
+    "data.read_threads data.default_corpus_mb data.prepare_workers eval.batches checkpoint.keep_latest "
+    "mesh.fsdp mesh.tensor supervisor.crash_loop_restarts supervisor.step_timeout_s "
+    "supervisor.eval_timeout_s supervisor.poll_s log.health_every_s alerts.grad_window alerts.grad_rise "
+    "alerts.throughput_window alerts.throughput_steps alerts.ecc_rise alerts.overdue_fraction"
+).split()
+
+_NON_NEGATIVE = (
+    "model.d_ff optim.warmup_steps train.stop_at_step checkpoint.every_steps checkpoint.keep_every "
+    "checkpoint.auto_devices mesh.cpu_devices checkpoint.local_every_steps checkpoint.local_every_minutes "
+    "integrity.replica_check_steps log.peak_flops data.prefetch supervisor.max_restarts eval.every_steps"
+).split()
+
+
 def validate(cfg: Config) -> None:
-    _positive(
-        cfg,
-        "model.vocab_size",
-        "model.seq_len",
-        "model.d_model",
-        "model.n_layers",
-        "checkpoint.mtbf_hours",
-        "model.n_heads",
-        "data.batch_size",
-        "train.steps",
-        "train.microbatches",
-        "optim.lr",
-        "optim.clip_norm",
-        "log.every_steps",
-        "data.read_threads",
-        "data.default_corpus_mb",
-        "data.prepare_workers",
-        "eval.batches",
-    )
-    _positive(
-        cfg,
-        "model.d_ff",
-        "optim.warmup_steps",
-        "train.stop_at_step",
-        "checkpoint.every_steps",
-        "checkpoint.keep_every",
-        "checkpoint.auto_devices",
-        "mesh.cpu_devices",
-        "checkpoint.local_every_steps",
-        "checkpoint.local_every_minutes",
-        "integrity.replica_check_steps",
-        "log.peak_flops",
-        "data.prefetch",
-        "supervisor.max_restarts",
-        "eval.every_steps",
-        allow_zero=True,
-    )
-    _positive(
-        cfg,
-        "checkpoint.keep_latest",
-        "mesh.fsdp",
-        "mesh.tensor",
-        "supervisor.crash_loop_restarts",
-        "supervisor.step_timeout_s",
-        "supervisor.eval_timeout_s",
-        "supervisor.poll_s",
-        "log.health_every_s",
-        "alerts.grad_window",
-        "alerts.grad_rise",
-        "alerts.throughput_window",
-        "alerts.throughput_steps",
-        "alerts.ecc_rise",
-        "alerts.overdue_fraction",
-    )
+    _validate_ranges(cfg)
+    _validate_interval(cfg)
+    _validate_model_and_run(cfg)
+    _validate_faults(cfg.faults)
+    _validate_launch(cfg.launch)
+    _validate_runbook(cfg.runbook)
+
+
+def _validate_ranges(cfg: Config) -> None:
+    """Keys that must be positive (or non-negative), and the alert thresholds' intervals."""
+    _positive(cfg, *_POSITIVE)
+    _positive(cfg, *_NON_NEGATIVE, allow_zero=True)
     if not 0.0 < cfg.alerts.throughput_drop < 1.0:
         raise ConfigError(f"alerts.throughput_drop must be in (0, 1), got {cfg.alerts.throughput_drop}")
     if not 0.0 < cfg.alerts.overdue_fraction < 1.0:
@@ -317,7 +292,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"alerts.grad_rise must be > 1 (a growth factor), got {cfg.alerts.grad_rise}")
     if cfg.mesh.data == 0 or cfg.mesh.data < -1:
         raise ConfigError(f"mesh.data must be > 0 or -1 (fill), got {cfg.mesh.data}")
-    _validate_interval(cfg)
+
+
+def _validate_model_and_run(cfg: Config) -> None:
     if cfg.model.d_model % cfg.model.n_heads:
         raise ConfigError(
             f"model.d_model ({cfg.model.d_model}) must be divisible by model.n_heads ({cfg.model.n_heads})"
@@ -335,7 +312,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.stop_at_step ({cfg.train.stop_at_step}) is past train.steps ({cfg.train.steps})")
     if not cfg.run.dir:
         raise ConfigError("run.dir must be set (e.g. --set run.dir=runs/mine)")
-    for i, f in enumerate(cfg.faults):
+
+
+def _validate_faults(faults: list[Fault]) -> None:
+    for i, f in enumerate(faults):
         if f.kind not in FAULT_KINDS:
             raise ConfigError(f"faults[{i}].kind must be one of {', '.join(FAULT_KINDS)}, got {f.kind!r}")
         if f.step < 0:
@@ -345,8 +325,6 @@ def validate(cfg: Config) -> None:
                 f"faults[{i}].phase must be one of {', '.join(FAULT_PHASES)} (hang and slow only), "
                 f"got {f.phase!r} for {f.kind}"
             )
-    _validate_launch(cfg.launch)
-    _validate_runbook(cfg.runbook)
 
 
 def _validate_runbook(rc: RunbookConfig) -> None:

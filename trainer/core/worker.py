@@ -226,34 +226,12 @@ def setup(cfg: Config) -> Worker:
     setup_compile_cache(cfg.run.compile_cache)
     events = EventLog(run_dir / rundir.EVENTS, enabled=primary)
     rb = runbook.RunbookState.load(run_dir, cfg.optim)
-    if env_vars.ATTEMPT not in os.environ:  # unsupervised: this process is the session (the goodput ledger's unit)
-        events.write(SESSION_START, pid=os.getpid())
-    if primary:  # as trained: with the runbook's softened LR, clip and b2, if it softened them
-        rundir.atomic_write(run_dir / rundir.CONFIG, dump_yaml(runbook.softened_config(cfg, rb)))
-    for c in changes:
-        events.write(CONFIG_CHANGED, change=c)
-    events.write(
-        DATA_READY,
-        seconds=data_s,
-        dir=str(corpus.dir),
-        source=corpus.source,
-        tokenizer=corpus.meta["tokenizer"],
-        vocab_size=corpus.vocab_size,
-        n_tokens=corpus.n_tokens,
-        n_val_tokens=corpus.n_val_tokens,
-        fingerprint=corpus.fingerprint,
-        prepared_now=corpus.fresh,
-    )
+    _record_start(cfg, events, rb, corpus, data_s, changes=changes, primary=primary)
     _announce_changes(cfg, events, saved, microbatches, primary=primary)
     mesh = mesh_lib.make_mesh(cfg.mesh)
     tx = optim.make_optimizer(cfg.optim, cfg.train.steps, cfg.model)
     spec = state_lib.build(GPT(cfg.model), tx, mesh, seed=cfg.run.seed, seq_len=cfg.model.seq_len)
-    scalars = Writer(run_dir / rundir.TENSORBOARD, enabled=primary and cfg.log.tensorboard)
-    if primary and not saved:
-        scalars.text("config", "```\n" + dump_yaml(cfg) + "\n```")
-        scalars.hparams(
-            to_dict(cfg), metric_tags=("loss/train", "loss/eval", "throughput/tokens_per_s", "throughput/mfu")
-        )
+    scalars = _scalars(cfg, primary=primary, fresh=not saved)
     pins = lambda steps: runbook.retention_pins(  # noqa: E731
         steps, window=cfg.runbook.window if cfg.runbook.enabled else None, pinned=rb.pinned
     )
@@ -286,16 +264,59 @@ def setup(cfg: Config) -> Worker:
         microbatches=microbatches,
         init_from=init_from,
     )
-    # Dashboard: grad-norm trend, throughput drop, hardware health (ECC rising -> checkpoint now), markers.
-    w.monitors.extend(alerts.build(cfg, run_dir=run_dir, events=events, scalars=scalars, faults=faults))
+    _add_monitors(w, rb)
+    return w
+
+
+def _record_start(
+    cfg: Config, events: EventLog, rb: runbook.RunbookState, corpus: data.Corpus, data_s: float, *, changes, primary
+) -> None:
+    """The run dir's first writes of this start: the session (unsupervised), the config as trained, what
+    changed since the checkpoint, and the data."""
+    run_dir = Path(cfg.run.dir)
+    if env_vars.ATTEMPT not in os.environ:  # unsupervised: this process is the session (the goodput ledger's unit)
+        events.write(SESSION_START, pid=os.getpid())
+    if primary:  # as trained: with the runbook's softened LR, clip and b2, if it softened them
+        rundir.atomic_write(run_dir / rundir.CONFIG, dump_yaml(runbook.softened_config(cfg, rb)))
+    for c in changes:
+        events.write(CONFIG_CHANGED, change=c)
+    events.write(
+        DATA_READY,
+        seconds=data_s,
+        dir=str(corpus.dir),
+        source=corpus.source,
+        tokenizer=corpus.meta["tokenizer"],
+        vocab_size=corpus.vocab_size,
+        n_tokens=corpus.n_tokens,
+        n_val_tokens=corpus.n_val_tokens,
+        fingerprint=corpus.fingerprint,
+        prepared_now=corpus.fresh,
+    )
+
+
+def _scalars(cfg: Config, *, primary: bool, fresh: bool) -> Writer:
+    """The TensorBoard writer (process 0 only); a fresh run's first records are its config."""
+    scalars = Writer(Path(cfg.run.dir) / rundir.TENSORBOARD, enabled=primary and cfg.log.tensorboard)
+    if primary and fresh:
+        scalars.text("config", "```\n" + dump_yaml(cfg) + "\n```")
+        scalars.hparams(
+            to_dict(cfg), metric_tags=("loss/train", "loss/eval", "throughput/tokens_per_s", "throughput/mfu")
+        )
+    return scalars
+
+
+def _add_monitors(w: Worker, rb: runbook.RunbookState) -> None:
+    """Dashboard: grad-norm trend, throughput drop, hardware health (ECC rising -> checkpoint now), markers;
+    and the spike detector when the runbook is on."""
+    cfg = w.cfg
+    w.monitors.extend(alerts.build(cfg, run_dir=w.run_dir, events=w.events, scalars=w.scalars, faults=w.faults))
     if cfg.runbook.enabled:
         w.monitors.append(
             SpikeDetector(
                 cfg.runbook,
-                log=events.write,
+                log=w.events.write,
                 batch_of=lambda s: data.batch_index(s - 1, rb.skips),
                 stop_step=cfg.train.stop_at_step or cfg.train.steps,
-                events_path=run_dir / rundir.EVENTS,
+                events_path=w.run_dir / rundir.EVENTS,
             )
         )
-    return w
