@@ -31,20 +31,13 @@ class _Bench:
         import numpy as np
 
         from trainer.core import mesh as mesh_lib
-        from trainer.core import optim
         from trainer.core import state as state_lib
-        from trainer.core.model import GPT
         from trainer.core.step import lower_train_step
+        from trainer.core.worker import state_spec
 
         self.jax = jax
         mesh = mesh_lib.make_mesh(cfg.mesh)
-        self.spec = state_lib.build(
-            GPT(cfg.model),
-            optim.make_optimizer(cfg.optim, cfg.train.steps, cfg.model),
-            mesh,
-            seed=cfg.run.seed,
-            seq_len=cfg.model.seq_len,
-        )
+        self.spec = state_spec(cfg, mesh)
         self.n_params = state_lib.param_count(self.spec.abstract)
         self.state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.spec.abstract))
         bsh = mesh_lib.batch_sharding(mesh)

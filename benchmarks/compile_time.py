@@ -25,19 +25,11 @@ def _one(overrides: list[str]) -> dict:
     cfg = load_config(harness.TINY, ["run.compile_cache=", *overrides])
     configure_devices(cfg)
     from trainer.core import mesh as mesh_lib
-    from trainer.core import optim
-    from trainer.core import state as state_lib
-    from trainer.core.model import GPT
     from trainer.core.step import lower_train_step
+    from trainer.core.worker import state_spec
 
     mesh = mesh_lib.make_mesh(cfg.mesh)
-    spec = state_lib.build(
-        GPT(cfg.model),
-        optim.make_optimizer(cfg.optim, cfg.train.steps, cfg.model),
-        mesh,
-        seed=cfg.run.seed,
-        seq_len=cfg.model.seq_len,
-    )
+    spec = state_spec(cfg, mesh)
     t0 = time.perf_counter()
     lowered = lower_train_step(spec, mesh, cfg, microbatches=cfg.train.microbatches)
     t1 = time.perf_counter()

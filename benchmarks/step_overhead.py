@@ -51,21 +51,13 @@ def _bare_setup(compile_cache: str):
     configure_devices(cfg)
     import jax
 
-    from trainer.core import data, optim, worker
+    from trainer.core import data, worker
     from trainer.core import mesh as mesh_lib
-    from trainer.core import state as state_lib
-    from trainer.core.model import GPT
     from trainer.core.step import lower_train_step
 
     worker.setup_compile_cache(cfg.run.compile_cache)
     mesh = mesh_lib.make_mesh(cfg.mesh)
-    spec = state_lib.build(
-        GPT(cfg.model),
-        optim.make_optimizer(cfg.optim, cfg.train.steps, cfg.model),
-        mesh,
-        seed=cfg.run.seed,
-        seq_len=cfg.model.seq_len,
-    )
+    spec = worker.state_spec(cfg, mesh)
     bsh = mesh_lib.batch_sharding(mesh)
     compiled = lower_train_step(spec, mesh, cfg, microbatches=cfg.train.microbatches).compile()
     corpus = data.prepare(cfg.data)

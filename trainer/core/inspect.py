@@ -113,22 +113,13 @@ def compile_for(cfg: Config, devices: list):
     from jax.sharding import Mesh
 
     from trainer.core import mesh as mesh_lib
-    from trainer.core import optim
-    from trainer.core import state as state_lib
-    from trainer.core.model import GPT
     from trainer.core.step import lower_train_step
-    from trainer.core.worker import validate_shapes
+    from trainer.core.worker import state_spec, validate_shapes
 
     shape = mesh_lib.mesh_shape(cfg.mesh, len(devices))
     validate_shapes(cfg, shape, cfg.launch.processes, cfg.train.microbatches, None)
     mesh = Mesh(np.array(devices).reshape(shape), mesh_lib.AXES)
-    spec = state_lib.build(
-        GPT(cfg.model),
-        optim.make_optimizer(cfg.optim, cfg.train.steps, cfg.model),
-        mesh,
-        seed=cfg.run.seed,
-        seq_len=cfg.model.seq_len,
-    )
+    spec = state_spec(cfg, mesh)
     return spec, mesh, lower_train_step(spec, mesh, cfg, microbatches=cfg.train.microbatches).compile()
 
 

@@ -210,6 +210,13 @@ def _announce_changes(cfg: Config, events: EventLog, saved: dict | None, microba
             )
 
 
+def state_spec(cfg: Config, mesh: jax.sharding.Mesh) -> state_lib.StateSpec:
+    """The train state's spec for a config on a mesh (the model, its optimizer, the seeded init): what the
+    worker trains, and what inspect and the benchmarks compile."""
+    tx = optim.make_optimizer(cfg.optim, cfg.train.steps, cfg.model)
+    return state_lib.build(GPT(cfg.model), tx, mesh, seed=cfg.run.seed, seq_len=cfg.model.seq_len)
+
+
 def setup(cfg: Config) -> Worker:
     """Validate everything that can be wrong before the first write to the run dir, then build."""
     run_dir = Path(cfg.run.dir)
@@ -229,8 +236,7 @@ def setup(cfg: Config) -> Worker:
     _record_start(cfg, events, rb, corpus, data_s, changes=changes, primary=primary)
     _announce_changes(cfg, events, saved, microbatches, primary=primary)
     mesh = mesh_lib.make_mesh(cfg.mesh)
-    tx = optim.make_optimizer(cfg.optim, cfg.train.steps, cfg.model)
-    spec = state_lib.build(GPT(cfg.model), tx, mesh, seed=cfg.run.seed, seq_len=cfg.model.seq_len)
+    spec = state_spec(cfg, mesh)
     scalars = _scalars(cfg, primary=primary, fresh=not saved)
     pins = lambda steps: runbook.retention_pins(  # noqa: E731
         steps, window=cfg.runbook.window if cfg.runbook.enabled else None, pinned=rb.pinned
