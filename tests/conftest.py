@@ -107,6 +107,19 @@ def summary(run_dir: Path) -> dict:
     return json.loads((Path(run_dir) / "summary.json").read_text())
 
 
+def need_transformers():
+    """(torch, transformers), imported; a skip where they are not installed, except under CI, which installs
+    them (.ci/install-transformers.sh) and so fails instead."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{e.name} missing in CI: run bash .ci/install-transformers.sh")
+        pytest.skip(f"{e.name} not installed (bash .ci/install-transformers.sh)")
+    return torch, transformers
+
+
 def built_once(tmp_path_factory, name: str, build) -> Path:
     """Directory `name`, made by build(dir) once per test session and shared by the pytest-xdist workers:
     the first to ask builds it under a file lock, the others wait for it. For reference runs, which are

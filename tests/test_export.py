@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, child_env, events, run_trainer, step_losses, summary, trainer_cmd
+from conftest import ROOT, child_env, events, need_transformers, run_trainer, step_losses, summary, trainer_cmd
 from multihost import ONE, group_overrides, small_corpus, wait_for
 from multihost import reference as group_reference
 from safetensors import safe_open
@@ -225,7 +225,7 @@ def test_a_bias_free_model_exports_as_gpt2_with_zero_biases():
     import jax.numpy as jnp
 
     from trainer.config import ModelConfig
-    from trainer.core.export import gpt2_config, gpt2_tensors
+    from trainer.core.hf import config_json, tensors
     from trainer.core.model import GPT
 
     cfg = ModelConfig(vocab_size=384, seq_len=32, d_model=64, n_layers=2, n_heads=4, bias=False)
@@ -234,12 +234,12 @@ def test_a_bias_free_model_exports_as_gpt2_with_zero_biases():
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(1), len(leaves))  # norm scales off 1 too: every param matters
     params = tree.unflatten([p + 0.05 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)])
-    w = gpt2_tensors(params, cfg)
+    w = tensors(params, cfg)
     assert set(w) == gpt2_names(n_layer=2)
     assert all(not w[k].any() for k in w if k.endswith(".bias"))
     ids = list(TEXT[:32])
     ours = np.asarray(model.apply({"params": params}, np.asarray([ids], np.int32))[0])
-    diff = float(np.abs(ours - gpt2_logits(gpt2_config(cfg, 256), w, ids)).max())
+    diff = float(np.abs(ours - gpt2_logits(config_json(cfg, 256), w, ids)).max())
     print(f"bias-free export: logits max abs diff vs independent numpy GPT-2 {diff:.2e}")
     assert diff < 1e-4
 
@@ -303,13 +303,7 @@ def test_export_creates_missing_parents_atomically_and_refuses_a_non_empty_out(b
 
 def test_transformers_gpt2lmheadmodel_loads_the_export(exported, bpe_export, monkeypatch):
     """Skipped where torch and transformers are not installed, except under CI, which installs them."""
-    try:
-        import torch
-        import transformers
-    except ImportError as e:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{e.name} missing in CI: run bash .ci/install-transformers.sh")
-        pytest.skip(f"{e.name} not installed (bash .ci/install-transformers.sh)")
+    torch, transformers = need_transformers()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a local directory: nothing is ever fetched
 
     run, out = exported
@@ -333,7 +327,7 @@ SHARDED_RESTORE = """
 import hashlib, json, sys
 from pathlib import Path
 from trainer.config import Config, MeshConfig
-from trainer.core import checkpoint, export, optim, state, weights
+from trainer.core import checkpoint, hf, optim, state, weights
 from trainer.core.mesh import make_mesh
 from trainer.core.model import GPT
 from trainer.yamltree import build
@@ -348,7 +342,7 @@ for run in sys.argv[1:]:
     st = checkpoint.Checkpointer(Path(run) / "checkpoints", cfg.checkpoint, read_only=True).restore(
         int(step_dir.name), spec.abstract).state  # the trainer's own resume: every array sharded over the mesh
     assert len(st["params"]["wte"].sharding.device_set) == 8
-    tensors = export.gpt2_tensors(st["params"], cfg.model)
+    tensors = hf.tensors(st["params"], cfg.model)
     out[run] = {k: hashlib.sha256(v.tobytes()).hexdigest() for k, v in tensors.items()}
 print(json.dumps(out))
 """

@@ -36,14 +36,36 @@ class MeshConfig:
 REMAT = ("none", "full", "save_dots", "save_attention")  # model.remat's policies (trainer.core.model)
 
 
+# model.arch -> the parts that family implies, for each model key its YAML leaves unset (trainer.core.model).
+ARCH_DEFAULTS = {
+    "gpt2": {},  # the ModelConfig defaults below are GPT-2's
+    "llama": {
+        "position": "rope",
+        "norm": "rmsnorm",
+        "mlp": "swiglu",
+        "bias": False,
+        "tie_embeddings": False,
+    },
+}
+MODEL_CHOICES = {"position": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu")}
+
+
 @dataclass
 class ModelConfig:
+    arch: str = "gpt2"  # gpt2 | llama: the family whose parts the keys below default to (ARCH_DEFAULTS)
     vocab_size: int = 384  # >= tokenizer vocab; a multiple of the tensor axis
     seq_len: int = 128
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
-    d_ff: int = 0  # 0 = 4 * d_model
+    n_kv_heads: int = 0  # K/V heads (grouped-query attention; 1 = multi-query); 0 = n_heads
+    d_ff: int = 0  # MLP width; 0 = 4 * d_model (gelu), 8/3 * d_model rounded up to 64 (swiglu)
+    position: str = "learned"  # learned (GPT-2's wpe table) | rope (rotary, Llama's)
+    rope_theta: float = 10000.0  # rotary base (Llama 3: 500000)
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    mlp: str = "gelu"  # gelu (tanh-GELU, GPT-2) | swiglu (gated, three matrices, Llama)
+    qk_norm: bool = False  # RMSNorm of each head's q and k before attention (OLMo 2, Qwen 3)
     dropout: float = 0.0
     compute_dtype: str = "float32"  # float32 | bfloat16 (params stay fp32)
     attention: str = "auto"  # auto | xla | xla_remat | cudnn (auto = cudnn on GPU with bf16, else xla)
@@ -92,7 +114,8 @@ class TrainConfig:
     steps: int = 200  # total steps: fixes the LR schedule
     stop_at_step: int = 0  # >0: save and exit cleanly at this step without touching the schedule
     microbatches: int = 1  # split each global batch into this many slices, gradients accumulated (memory)
-    init_from: str = ""  # run dir (newest verified checkpoint) or RUN/checkpoints/N: its params start a fresh run
+    init_from: str = ""  # run dir, RUN/checkpoints/N or a local Hugging Face model dir: its params start a fresh run
+    z_loss: float = 0.0  # weight of mean(logsumexp(logits)^2) added to the loss (PaLM's 1e-4); 0 = off
 
 
 @dataclass
@@ -240,9 +263,20 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
 
 def from_tree(tree: dict) -> Config:
     """A YAML tree (sections of keys; what it leaves out takes the defaults) as a validated Config."""
-    cfg = build(Config, tree, "")
+    cfg = build(Config, _with_arch(tree), "")
     validate(cfg)
     return cfg
+
+
+def _with_arch(tree: dict) -> dict:
+    """The tree with model.arch's parts filled in where the model section leaves them unset."""
+    model = tree.get("model")
+    arch = model.get("arch", "gpt2") if isinstance(model, dict) else "gpt2"
+    if arch not in ARCH_DEFAULTS:
+        raise ConfigError(f"model.arch must be one of {', '.join(ARCH_DEFAULTS)}, got {arch!r}")
+    if not ARCH_DEFAULTS[arch]:
+        return tree
+    return dict(tree, model={**ARCH_DEFAULTS[arch], **model})
 
 
 def _positive(cfg: Config, *keys: str, allow_zero: bool = False) -> None:
@@ -257,6 +291,7 @@ def _positive(cfg: Config, *keys: str, allow_zero: bool = False) -> None:
 # Keys that must be > 0, and keys that must be >= 0 (0 means off or none); validate() checks both.
 _POSITIVE = (
     "model.vocab_size model.seq_len model.d_model model.n_layers checkpoint.mtbf_hours model.n_heads "
+    "model.rope_theta model.norm_eps "
     "data.batch_size train.steps train.microbatches optim.lr optim.clip_norm log.every_steps "
     "data.read_threads data.default_corpus_mb data.prepare_workers eval.batches checkpoint.keep_latest "
     "mesh.fsdp mesh.tensor supervisor.crash_loop_restarts supervisor.step_timeout_s "
@@ -265,7 +300,8 @@ _POSITIVE = (
 ).split()
 
 _NON_NEGATIVE = (
-    "model.d_ff optim.warmup_steps train.stop_at_step checkpoint.every_steps checkpoint.keep_every "
+    "model.d_ff model.n_kv_heads train.z_loss optim.warmup_steps train.stop_at_step checkpoint.every_steps "
+    "checkpoint.keep_every "
     "checkpoint.auto_devices mesh.cpu_devices checkpoint.local_every_steps checkpoint.local_every_minutes "
     "integrity.replica_check_steps log.peak_flops data.prefetch supervisor.max_restarts eval.every_steps"
 ).split()
@@ -299,6 +335,14 @@ def _validate_model_and_run(cfg: Config) -> None:
         raise ConfigError(
             f"model.d_model ({cfg.model.d_model}) must be divisible by model.n_heads ({cfg.model.n_heads})"
         )
+    m = cfg.model
+    if m.n_heads % (m.n_kv_heads or m.n_heads):
+        raise ConfigError(f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.n_kv_heads})")
+    for key, choices in MODEL_CHOICES.items():
+        if getattr(m, key) not in choices:
+            raise ConfigError(f"model.{key} must be {' or '.join(choices)}, got {getattr(m, key)!r}")
+    if m.position == "rope" and (m.d_model // m.n_heads) % 2:
+        raise ConfigError(f"model.position=rope needs an even head dim (d_model / n_heads = {m.d_model // m.n_heads})")
     if cfg.model.compute_dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.compute_dtype must be float32 or bfloat16, got {cfg.model.compute_dtype!r}")
     if cfg.model.attention not in ("auto", "xla", "xla_remat", "cudnn"):

@@ -35,7 +35,7 @@ class Evaluator:
         step = make_eval_step(spec, self._bsh, mesh_lib.replicated(mesh))
         global_rows = windows_NBL1.shape[1] * jax.process_count()
         shape = jax.ShapeDtypeStruct((global_rows, windows_NBL1.shape[2]), np.int32, sharding=self._bsh)
-        with mesh_lib.active(mesh):  # the model's activation shardings hold, as in the train step
+        with mesh_lib.active(mesh, spec.model.cfg):  # the model's activation shardings hold, as in the train step
             self._step = step.lower(spec.abstract["params"], shape).compile()
 
     def run(self, params) -> dict:

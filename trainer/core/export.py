@@ -1,10 +1,11 @@
-"""`python -m trainer export RUN_DIR --out DIR [--step N]`: a checkpoint as a Hugging Face GPT-2 model
-directory (`config.json`, `model.safetensors`, and the tokenizer files when the run used a prepared
-tokenizer), readable by `GPT2LMHeadModel.from_pretrained(DIR)` and by anything that reads safetensors.
+"""`python -m trainer export RUN_DIR --out DIR [--step N]`: a checkpoint as a Hugging Face model directory
+(`config.json`, `model.safetensors`, and the tokenizer files when the run used a prepared tokenizer),
+readable by `GPT2LMHeadModel.from_pretrained(DIR)` (model.arch gpt2) or `LlamaForCausalLM.from_pretrained(DIR)`
+(model.arch llama), and by anything that reads safetensors. No torch is needed to write it.
 
-Our GPT is GPT-2's architecture, so the export is a renaming and a reshape of each param (no arithmetic):
-GPT-2's Conv1D weights are [in, out], as our kernels are. The params are restored on one CPU device without
-the training mesh (weights.on_cpu), so a checkpoint of any mesh or process count exports on a laptop.
+The conversion (trainer.core.hf) is a renaming, a reshape and a transpose of each param: no arithmetic. The
+params are restored on one CPU device without the training mesh (weights.on_cpu), so a checkpoint of any
+mesh or process count exports on a laptop.
 """
 
 from __future__ import annotations
@@ -19,87 +20,12 @@ import jax
 import numpy as np
 
 from trainer.config import ConfigError, ModelConfig
-from trainer.core import weights
-from trainer.core.model import LN_EPS
+from trainer.core import hf, weights
 from trainer.core.state import params_sha256
 from trainer.observe import pick
 from trainer.observe.rundir import write_json
 
-CONFIG, MODEL, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
-
-
-def _layer(p: dict, cfg: ModelConfig, i: int) -> dict:
-    """Block i's params: a slice of the scanned stack, or block_i of an unrolled model."""
-    return jax.tree.map(lambda a: a[i], p["blocks"]) if cfg.scan else p[f"block_{i}"]
-
-
-def _bias(module: dict, size: int) -> np.ndarray:
-    """A module's bias as a vector; zeros (GPT-2's equivalent of none) for a model.bias: false model."""
-    return module["bias"].reshape(size) if "bias" in module else np.zeros(size, np.float32)
-
-
-def gpt2_tensors(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Our param tree (trainer.core.model's docstring) under GPT-2's names and layouts, fp32."""
-    p = jax.device_get(params)
-    D, F = cfg.d_model, cfg.d_ff or 4 * cfg.d_model
-    out = {
-        "transformer.wte.weight": p["wte"],
-        "transformer.wpe.weight": p["wpe"],
-        "transformer.ln_f.weight": p["ln_f"]["scale"],
-        "transformer.ln_f.bias": _bias(p["ln_f"], D),
-    }
-    for i in range(cfg.n_layers):
-        b, h = _layer(p, cfg, i), f"transformer.h.{i}."
-        out.update(
-            {
-                h + "ln_1.weight": b["ln_1"]["scale"],
-                h + "ln_1.bias": _bias(b["ln_1"], D),
-                # [D, T, H, K] row-major is [D, (q | k | v), each split into heads]: c_attn's [D, 3D] columns.
-                h + "attn.c_attn.weight": b["qkv"]["kernel"].reshape(D, 3 * D),
-                h + "attn.c_attn.bias": _bias(b["qkv"], 3 * D),
-                h + "attn.c_proj.weight": b["proj"]["kernel"].reshape(D, D),  # [H, K, D] -> [H*K, D]
-                h + "attn.c_proj.bias": _bias(b["proj"], D),
-                h + "ln_2.weight": b["ln_2"]["scale"],
-                h + "ln_2.bias": _bias(b["ln_2"], D),
-                h + "mlp.c_fc.weight": b["fc"]["kernel"],
-                h + "mlp.c_fc.bias": _bias(b["fc"], F),
-                h + "mlp.c_proj.weight": b["out"]["kernel"],
-                h + "mlp.c_proj.bias": _bias(b["out"], D),
-            }
-        )
-    if not cfg.tie_embeddings:  # tied: GPT2LMHeadModel takes its head from wte (no lm_head tensor is saved)
-        out["lm_head.weight"] = p["lm_head"].T
-    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
-
-
-def gpt2_config(cfg: ModelConfig, eos_id: int) -> dict:
-    """GPT2Config's fields for our model: the vocabulary as the model has it (padding included), the
-    LayerNorm epsilon our blocks use, dropout where GPT-2 puts it (we have none on attention weights)."""
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": cfg.vocab_size,
-        "n_positions": cfg.seq_len,
-        "n_ctx": cfg.seq_len,
-        "n_embd": cfg.d_model,
-        "n_layer": cfg.n_layers,
-        "n_head": cfg.n_heads,
-        "n_inner": cfg.d_ff or 4 * cfg.d_model,
-        "activation_function": "gelu_new",
-        "layer_norm_epsilon": LN_EPS,
-        "resid_pdrop": cfg.dropout,
-        "embd_pdrop": cfg.dropout,
-        "attn_pdrop": 0.0,
-        "initializer_range": 0.02,
-        "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "use_cache": True,
-        "bos_token_id": eos_id,
-        "eos_token_id": eos_id,
-        "torch_dtype": "float32",
-    }
+CONFIG, MODEL, TOKENIZER = hf.CONFIG, hf.MODEL, "tokenizer.json"
 
 
 def _tokenizer_files(tmp: Path, tok: weights.RunTokenizer, cfg: ModelConfig) -> list[str]:
@@ -140,11 +66,11 @@ def write(out: Path, loaded: weights.Loaded, tok: weights.RunTokenizer) -> list[
     # the temp dir sits beside `out`, on its filesystem, so the rename below is atomic.
     tmp.mkdir(parents=True)
     try:
-        write_json(tmp / CONFIG, gpt2_config(cfg, tok.eos_id), indent=2)
+        write_json(tmp / CONFIG, hf.config_json(cfg, tok.eos_id), indent=2)
         # The provenance rides in the safetensors header (string values); params_sha256 is the one the
         # run's summary.json reports for the same params, however they were sharded.
         save_file(
-            gpt2_tensors(loaded.params, cfg),
+            hf.tensors(loaded.params, cfg),
             str(tmp / MODEL),
             metadata={
                 "format": "pt",

@@ -114,6 +114,15 @@ def _layer_norm_bwd(eps, res, dy):
 layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
+def rms_norm(x, scale, eps: float):
+    """Llama's RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) in fp32, cast to x's dtype, then scaled
+    (Hugging Face's LlamaRMSNorm, operation for operation). Autodiff's backward keeps only fp32 row statistics
+    besides the input: no custom rule needed."""
+    xf = x.astype(jnp.float32)
+    y = xf * lax.rsqrt(jnp.mean(lax.square(xf), -1, keepdims=True) + eps)
+    return scale.astype(x.dtype) * y.astype(x.dtype)
+
+
 # --- causal attention (XLA's path; on a GPU in bf16 cuDNN's fused kernel is used instead) -----------------
 # jax.nn.dot_product_attention(implementation="xla") differentiated by autodiff keeps the fp32 softmax output
 # and its compute-dtype copy, both [B, H, L, L]. This one keeps only the compute-dtype probabilities, the ones

@@ -12,7 +12,6 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 import absl.logging
 import jax
@@ -128,7 +127,7 @@ def _restore_or_init(w: Worker):
     if restored is None:
         st = w.spec.init()
         if w.init_from:  # fine-tuning: another run's params, this run's fresh optimizer state, RNG and schedule
-            st = dict(st, params=weights.restore_params(Path(w.init_from["checkpoint"]), w.spec.abstract["params"]))
+            st = dict(st, params=weights.init_params(w.init_from, w.cfg.model, w.spec.abstract["params"]))
         w.events.write(INIT, step=0, n_params=w.n_params, seconds=time.perf_counter() - t0)
         if w.init_from:
             w.events.write(INIT_FROM, step=0, **w.init_from)

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from trainer.config import ConfigError, MeshConfig
+from trainer.config import ConfigError, MeshConfig, ModelConfig
 
 AXES = ("data", "fsdp", "tensor")
 
@@ -25,6 +25,7 @@ RULES = (
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("heads", "tensor"),
+    ("kv_heads", "tensor"),  # grouped-query K/V heads: replicated instead where they do not divide (rules())
     ("mlp", "tensor"),
     ("head_dim", None),
     ("seq", None),
@@ -51,11 +52,24 @@ def make_mesh(cfg: MeshConfig) -> Mesh:
     return Mesh(devices, AXES)
 
 
+def kv_replicated(model: ModelConfig, tensor: int) -> bool:
+    """True when the model's K/V heads (model.n_kv_heads) cannot split over the tensor axis: their projection
+    and activations are then replicated over it (each tensor shard computes every K/V head it needs)."""
+    return bool((model.n_kv_heads or model.n_heads) % tensor)
+
+
+def rules(mesh: Mesh, model: ModelConfig | None = None) -> tuple:
+    """RULES for this model on this mesh."""
+    if model is None or not kv_replicated(model, mesh.shape["tensor"]):
+        return RULES
+    return tuple((name, None if name == "kv_heads" else axes) for name, axes in RULES)
+
+
 @contextlib.contextmanager
-def active(mesh: Mesh) -> Iterator[None]:
+def active(mesh: Mesh, model: ModelConfig | None = None) -> Iterator[None]:
     """Trace under this: the model's logical activation constraints become sharding constraints on the
     mesh (without the mesh and the rules in context flax drops them, and propagation guesses)."""
-    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules(mesh, model)):
         yield
 
 

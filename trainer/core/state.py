@@ -14,7 +14,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from trainer.core.mesh import RULES, active
+from trainer.core.mesh import active, rules
 from trainer.core.model import GPT
 
 
@@ -44,16 +44,16 @@ def _init_boxed(model: GPT, tx: optax.GradientTransformation, seed: int, seq_len
 
 
 def build(model: GPT, tx: optax.GradientTransformation, mesh: Mesh, *, seed: int, seq_len: int) -> StateSpec:
-    with active(mesh):
+    with active(mesh, model.cfg):
         boxed = jax.eval_shape(lambda: _init_boxed(model, tx, seed, seq_len))
     specs = nn.get_partition_spec(boxed)
-    shardings = nn.logical_to_mesh_sharding(specs, mesh, RULES)
+    shardings = nn.logical_to_mesh_sharding(specs, mesh, rules(mesh, model.cfg))
     unboxed = nn.meta.unbox(boxed)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unboxed, shardings)
     init_fn = jax.jit(lambda: nn.meta.unbox(_init_boxed(model, tx, seed, seq_len)), out_shardings=shardings)
 
     def init():
-        with active(mesh):  # traced on first call
+        with active(mesh, model.cfg):  # traced on first call
             return init_fn()
 
     return StateSpec(model, tx, shardings, abstract, init)

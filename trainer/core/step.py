@@ -15,15 +15,26 @@ from trainer.core import optim
 from trainer.core.state import StateSpec
 
 
-def _grads(spec: StateSpec, mesh: Mesh, microbatches: int):
-    """(params, tokens, key) -> (mean loss, mean gradients) over the whole global batch."""
+def _grads(spec: StateSpec, mesh: Mesh, microbatches: int, z_loss: float = 0.0):
+    """(params, tokens, key) -> (mean loss, mean gradients) over the whole global batch. The loss reported is
+    the cross-entropy alone; with train.z_loss the gradients are those of cross-entropy + z_loss x
+    mean(logsumexp(logits)^2), which keeps the softmax normaliser near 1 (PaLM, OLMo)."""
     model, k = spec.model, microbatches
 
     def loss_fn(params, tokens_BL1, key):
         logits_BLV = model.apply({"params": params}, tokens_BL1[:, :-1], deterministic=False, rngs={"dropout": key})
+        if z_loss:
+            lse_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
+            # optax's cross-entropy is lse - the label's logit: compute lse once for both terms
+            label_BL = jnp.take_along_axis(logits_BLV, tokens_BL1[:, 1:, None], axis=-1)[..., 0]
+            ce = (lse_BL - label_BL).mean()
+            return ce + z_loss * jnp.mean(jnp.square(lse_BL)), ce
         return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, tokens_BL1[:, 1:]).mean()
 
     grad_fn = jax.value_and_grad(loss_fn)
+    if z_loss:  # (ce, grads of the total)
+        with_aux = jax.value_and_grad(loss_fn, has_aux=True)
+        grad_fn = lambda *a: (lambda v, g: (v[1], g))(*with_aux(*a))  # noqa: E731
     if k == 1:
         return lambda params, tokens_BL1, key: grad_fn(params, tokens_BL1, jax.random.fold_in(key, 0))
     grad_sh = spec.shardings["params"]
@@ -49,9 +60,9 @@ def _grads(spec: StateSpec, mesh: Mesh, microbatches: int):
     return accumulated
 
 
-def make_train_step(spec: StateSpec, mesh: Mesh, *, lr_schedule, microbatches: int = 1):
+def make_train_step(spec: StateSpec, mesh: Mesh, *, lr_schedule, microbatches: int = 1, z_loss: float = 0.0):
     tx = spec.tx
-    grads_of = _grads(spec, mesh, microbatches)
+    grads_of = _grads(spec, mesh, microbatches, z_loss)
 
     def train_step(state, tokens_BL1):
         dropout_key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
@@ -83,12 +94,16 @@ def make_train_step(spec: StateSpec, mesh: Mesh, *, lr_schedule, microbatches: i
 def lower_train_step(spec: StateSpec, mesh: Mesh, cfg: Config, *, microbatches: int) -> jax.stages.Lowered:
     """The train step traced for the config's global batch, under the mesh and the logical-axis rules."""
     step_fn = make_train_step(
-        spec, mesh, lr_schedule=optim.schedule(cfg.optim, cfg.train.steps), microbatches=microbatches
+        spec,
+        mesh,
+        lr_schedule=optim.schedule(cfg.optim, cfg.train.steps),
+        microbatches=microbatches,
+        z_loss=cfg.train.z_loss,
     )
     tokens = jax.ShapeDtypeStruct(
         (cfg.data.batch_size, cfg.model.seq_len + 1), np.int32, sharding=mesh_lib.batch_sharding(mesh)
     )
-    with mesh_lib.active(mesh):
+    with mesh_lib.active(mesh, cfg.model):
         return step_fn.lower(spec.abstract, tokens)
 
 

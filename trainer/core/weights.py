@@ -21,6 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from trainer.config import Config, ConfigError, ModelConfig
+from trainer.core import hf
 from trainer.core.distributed import allgather_json
 from trainer.core.model import GPT
 from trainer.corpus import shards, tokenizer
@@ -82,6 +83,16 @@ def check_shapes(want: Any, step_dir: Path, *, key: str) -> None:
             )
 
 
+def init_params(init_from: dict, model: ModelConfig, target: Any) -> Any:
+    """train.init_from's params laid out as `target` says (shapes, shardings): a checkpoint's restored by
+    Orbax, a Hugging Face directory's read by every process, each placing the slices its devices hold."""
+    src = Path(init_from["checkpoint"])
+    if not init_from.get("format", "").startswith("huggingface"):
+        return restore_params(src, target)
+    host = hf.read_params(model, src, target)
+    return jax.tree.map(lambda a, t: jax.make_array_from_callback(t.shape, t.sharding, lambda i: a[i]), host, target)
+
+
 def restore_params(step_dir: Path, target: Any) -> Any:
     """The params of a checkpoint alone, restored as `target` says (shapes, dtypes, shardings): Orbax reads
     only their arrays, from whichever process shards wrote them."""
@@ -120,6 +131,10 @@ def init_source(cfg: Config) -> dict | None:
     naming the first param that does not), checked before the run writes anything."""
     if not cfg.train.init_from:
         return None
+    path = Path(cfg.train.init_from).expanduser()
+    if hf.is_model_dir(path):  # a Hugging Face model directory on disk (config.json + safetensors)
+        kind = hf.check_config(cfg.model, path)["model_type"]
+        return {"path": cfg.train.init_from, "checkpoint": str(path.absolute()), "format": f"huggingface {kind}"}
     try:
         picked = pick.pick(
             cfg.train.init_from,

@@ -20,7 +20,7 @@ from trainer.config import FROZEN_KEYS, Config, ConfigError, dump_yaml, to_dict
 from trainer.core import data, optim, tiers, weights
 from trainer.core import mesh as mesh_lib
 from trainer.core import state as state_lib
-from trainer.core.model import GPT
+from trainer.core.model import GPT, mlp_width
 from trainer.core.replicas import ReplicaCheck
 from trainer.observe import alerts, env_vars, rundir
 from trainer.observe.event_names import (
@@ -137,7 +137,7 @@ def validate_shapes(
     for key, v in (
         ("model.vocab_size", cfg.model.vocab_size),
         ("model.n_heads", cfg.model.n_heads),
-        ("model.d_ff", cfg.model.d_ff or 4 * cfg.model.d_model),
+        ("model.d_ff", mlp_width(cfg.model)),
     ):
         if v % tensor:
             raise ConfigError(f"{key} ({v}) must be divisible by mesh.tensor ({tensor})")
@@ -229,6 +229,12 @@ def setup(cfg: Config) -> Worker:
     init_from = saved.get("init_from") if saved else weights.init_source(cfg)  # a resume never re-applies it
 
     primary = jax.process_index() == 0
+    if primary and mesh_lib.kv_replicated(cfg.model, shape[2]):
+        print(
+            f"note: model.n_kv_heads ({cfg.model.n_kv_heads}) does not divide mesh.tensor ({shape[2]}): the K/V "
+            "projections are replicated over the tensor axis",
+            file=sys.stderr,
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     setup_compile_cache(cfg.run.compile_cache)
     events = EventLog(run_dir / rundir.EVENTS, enabled=primary)
