@@ -16,7 +16,16 @@ from trainer.config import ConfigError, load_config
 from trainer.core.model import GPT
 
 # Stated sizes (millions of parameters) of every shipped config.
-STATED = {"tiny.yaml": 1.9, "gpt2-124m.yaml": 124, "gpt-1b.yaml": 1000, "gpt-7b.yaml": 6700}
+STATED = {
+    "tiny.yaml": 1.9,
+    "gpt2-124m.yaml": 124,
+    "gpt-1b.yaml": 1000,
+    "gpt-7b.yaml": 6700,
+    "llama-tiny.yaml": 1.72,
+    "llama-150m.yaml": 153,
+    "llama-1b.yaml": 1000,
+    "llama-8b.yaml": 8030,  # Llama 3 8B: 8,030,261,248
+}
 
 
 def test_every_shipped_config_parses_and_has_its_stated_size():
@@ -43,11 +52,28 @@ def test_every_shipped_config_parses_and_has_its_stated_size():
         ("train.microbatches=0", "train.microbatches must be > 0"),
         ("faults=[{kind: crash, step: 3, phase: restore}]", "faults[0].phase must be one of step, startup, restore"),
         ("faults=[{kind: hang, step: 3, phase: shutdown}]", "faults[0].phase must be one of"),
+        ("model.arch=mamba", "model.arch must be one of gpt2, llama, got 'mamba'"),
+        ("model.n_kv_heads=4", "model.n_heads (6) must be a multiple of model.n_kv_heads (4)"),
+        ("model.position=alibi", "model.position must be learned or rope, got 'alibi'"),
+        ("model.mlp=relu", "model.mlp must be gelu or swiglu"),
+        ("train.z_loss=-1", "train.z_loss must be >= 0"),
     ],
 )
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(str(ROOT / "configs" / "tiny.yaml"), [override])
+
+
+def test_model_arch_sets_its_parts_and_each_stays_settable():
+    llama = load_config(str(ROOT / "configs" / "tiny.yaml"), ["model.arch=llama"]).model
+    parts = ("position", "norm", "mlp", "bias", "tie_embeddings")
+    assert tuple(getattr(llama, k) for k in parts) == ("rope", "rmsnorm", "swiglu", False, False)
+    gpt2 = load_config(str(ROOT / "configs" / "tiny.yaml")).model
+    assert tuple(getattr(gpt2, k) for k in parts) == ("learned", "layernorm", "gelu", True, True)
+    mixed = load_config(str(ROOT / "configs" / "tiny.yaml"), ["model.arch=llama", "model.tie_embeddings=true"]).model
+    assert mixed.tie_embeddings and mixed.norm == "rmsnorm"
+    with pytest.raises(ConfigError, match=re.escape("model.position=rope needs an even head dim")):
+        load_config(str(ROOT / "configs" / "tiny.yaml"), ["model.arch=llama", "model.n_heads=64"])
 
 
 def _tree_state(d: Path) -> dict[str, tuple[int, int]]:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from trainer.config import ModelConfig
-from trainer.core.layers import causal_attention, gelu, layer_norm
+from trainer.core.layers import causal_attention, gelu, layer_norm, rms_norm
 from trainer.core.model import GPT, LN_EPS
 
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -51,6 +51,27 @@ def test_layer_norm_is_flax_layer_norm_forward_and_gradient(dtype, bias):
     assert jax.tree.map(lambda a: a.dtype, g) == jax.tree.map(lambda a: a.dtype, g_ref)
     for a, c in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g)):
         assert _rel_err(a, c) < GRAD_TOL[dtype], (a.shape, _rel_err(a, c))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_is_the_plain_formula_forward_and_gradient(dtype):
+    """Forward: Hugging Face LlamaRMSNorm's operations bit for bit; gradient: autodiff's of those."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(4, 32, 64)) * 3 + 1, dtype)
+    w = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+    scale = jnp.asarray(1 + 0.1 * rng.normal(size=64), jnp.float32)
+
+    def plain(x, s):
+        xf = x.astype(jnp.float32)
+        return s.astype(x.dtype) * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + LN_EPS)).astype(x.dtype)
+
+    y_ref, y = jax.jit(plain)(x, scale), jax.jit(lambda x, s: rms_norm(x, s, LN_EPS))(x, scale)
+    assert y.dtype == dtype and np.array_equal(np.asarray(y_ref, np.float32), np.asarray(y, np.float32))
+    loss = lambda f: lambda x, s: jnp.sum(f(x, s).astype(jnp.float32) * w)  # noqa: E731
+    g_ref = jax.jit(jax.grad(loss(plain), argnums=(0, 1)))(x, scale)
+    g = jax.jit(jax.grad(loss(lambda x, s: rms_norm(x, s, LN_EPS)), argnums=(0, 1)))(x, scale)
+    for a, c in zip(g_ref, g):
+        assert a.dtype == c.dtype and _rel_err(a, c) < GRAD_TOL[dtype], (a.shape, _rel_err(a, c))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

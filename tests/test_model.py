@@ -176,3 +176,113 @@ def test_save_dots_keeps_the_attention_output_and_recomputes_the_scores(capsys):
     assert saved.count("named 'attn_out'") == cfg.n_layers
     # the scores are recomputed: no [B, H, rows, keys] block of them is kept (q, k, v are [B, L, H, K])
     assert not re.search(rf"\[2,{cfg.n_heads},\d+,\d+\]", saved), saved
+
+
+# --- the Llama family -------------------------------------------------------------------------------------
+
+LLAMA = ModelConfig(
+    arch="llama",
+    vocab_size=384,
+    seq_len=32,
+    d_model=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    position="rope",
+    norm="rmsnorm",
+    mlp="swiglu",
+    bias=False,
+    tie_embeddings=False,
+    qk_norm=True,
+)
+G, FS = 2, 192  # K/V heads; SwiGLU width: 8/3 x 64 rounded up to 64
+LLAMA_TREE = {
+    "wte": ((V, D), ("vocab", "embed")),
+    "blocks/ln_1/scale": ((N, D), ("layers", "norm")),
+    "blocks/q/kernel": ((N, D, H, K), ("layers", "embed", "heads", "head_dim")),
+    "blocks/kv/kernel": ((N, D, 2, G, K), ("layers", "embed", None, "kv_heads", "head_dim")),
+    "blocks/q_norm/scale": ((N, K), ("layers", "norm")),
+    "blocks/k_norm/scale": ((N, K), ("layers", "norm")),
+    "blocks/proj/kernel": ((N, H, K, D), ("layers", "heads", "head_dim", "embed")),
+    "blocks/ln_2/scale": ((N, D), ("layers", "norm")),
+    "blocks/gate_up/kernel": ((N, D, 2, FS), ("layers", "embed", None, "mlp")),
+    "blocks/out/kernel": ((N, FS, D), ("layers", "mlp", "embed")),
+    "ln_f/scale": ((D,), ("norm",)),
+    "lm_head": ((D, V), ("embed", "vocab")),
+}
+
+
+def test_llama_param_tree_is_the_documented_one_and_mha_fuses_qkv():
+    boxed = jax.eval_shape(lambda: GPT(LLAMA).init(jax.random.key(0), jnp.zeros((1, L), jnp.int32))["params"])
+    shapes = {k: v.shape for k, v in _flat(nn.meta.unbox(boxed)).items()}
+    specs = {k: tuple(v) for k, v in _flat(nn.get_partition_spec(boxed)).items()}
+    assert shapes == {k: s for k, (s, _) in LLAMA_TREE.items()}
+    assert specs == {k: a for k, (_, a) in LLAMA_TREE.items()}
+    mha = dataclasses.replace(LLAMA, n_kv_heads=0, qk_norm=False)
+    names = _flat(nn.meta.unbox(jax.eval_shape(lambda: GPT(mha).init(jax.random.key(0), jnp.zeros((1, L), jnp.int32)))))
+    assert "params/blocks/qkv/kernel" in names and "params/blocks/kv/kernel" not in names
+
+
+def test_llama_is_causal_and_rotary_scores_depend_on_relative_position_only():
+    """The rotation is the only position signal: position 0 is unrotated, and a rotated q . k depends on the
+    distance between the two positions, not where the pair sits."""
+    from trainer.core.model import rotary
+
+    model, params = _init(LLAMA)
+    tokens = jax.random.randint(jax.random.key(1), (2, L), 0, 256)
+    changed = tokens.at[:, 20].set((tokens[:, 20] + 1) % 256)
+    a, b = model.apply({"params": params}, tokens), model.apply({"params": params}, changed)
+    assert np.array_equal(a[:, :20], b[:, :20]) and not np.allclose(a[:, 20:], b[:, 20:])
+    q, k = jax.random.normal(jax.random.key(4), (2, 1, 1, 1, K))
+    rq, rk = (rotary(jnp.broadcast_to(x, (1, L, 1, K)), 10000.0)[0, :, 0] for x in (q, k))
+    np.testing.assert_array_equal(rq[0], q[0, 0, 0])
+    dots = rq @ rk.T  # [i, j]: q at position i, k at position j
+    np.testing.assert_allclose(dots[5, 2], dots[25, 22], rtol=1e-5)
+    np.testing.assert_allclose(dots[9, 9], dots[0, 0], rtol=1e-5)
+    assert abs(float(dots[5, 2] - dots[5, 3])) > 1e-3
+
+
+def test_llama_scanned_and_unrolled_compute_the_same_function():
+    model, params = _init(LLAMA)
+    params = nn.meta.unbox(params)
+    unrolled = GPT(dataclasses.replace(LLAMA, scan=False))
+    layer_params = {f"block_{i}": jax.tree.map(lambda x, i=i: x[i], params["blocks"]) for i in range(N)}
+    as_unrolled = {**{k: v for k, v in params.items() if k != "blocks"}, **layer_params}
+    tokens = jax.random.randint(jax.random.key(3), (2, L), 0, 256)
+    a, b = model.apply({"params": params}, tokens), unrolled.apply({"params": as_unrolled}, tokens)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # compiles the gradient of five variants
+def test_llama_under_every_remat_policy_and_mqa_computes_the_same_loss_and_gradients():
+    """Remat changes what the backward keeps, never what it computes: loss AND gradients match the plain
+    model's (to fp32 rounding); with one K/V head (MQA) the model trains to a finite loss too."""
+    tokens = jax.random.randint(jax.random.key(2), (4, L + 1), 0, 256)
+    _, params = _init(LLAMA)
+    out = {}
+    for name, cfg in {"none": LLAMA, **{p: dataclasses.replace(LLAMA, remat=p) for p in REMAT_POLICIES}}.items():
+
+        def loss_fn(p, cfg=cfg):
+            m = GPT(cfg)
+            return optax.softmax_cross_entropy_with_integer_labels(
+                m.apply({"params": p}, tokens[:, :-1]), tokens[:, 1:]
+            ).mean()
+
+        out[name] = jax.jit(jax.value_and_grad(loss_fn))(params)
+    for p in REMAT_POLICIES:
+        assert abs(float(out[p][0]) - float(out["none"][0])) < 1e-6, (p, out[p][0], out["none"][0])
+        for a, b in zip(jax.tree.leaves(out[p][1]), jax.tree.leaves(out["none"][1])):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    mqa = dataclasses.replace(LLAMA, n_kv_heads=1)
+    _, p1 = _init(mqa)
+    loss = GPT(mqa).apply({"params": p1}, tokens[:, :-1])
+    assert nn.meta.unbox(p1)["blocks"]["kv"]["kernel"].shape == (N, D, 2, 1, K) and np.isfinite(np.asarray(loss)).all()
+
+
+def test_llama_flops_count_gqa_swiglu_and_no_lookups():
+    """6 x (the params that enter a matmul) + 12 N D L: the untied input embedding is a lookup, and there is no
+    positional table; GQA's and SwiGLU's sizes come in through the params themselves."""
+    matmul = N * (D * H * K + D * 2 * G * K + H * K * D + 3 * D * FS) + D * V  # q, kv, o, gate|up + down, head
+    norms = N * (2 * D + 2 * K) + D
+    n_params = matmul + norms + V * D  # + the input embedding
+    assert flops_per_token(LLAMA, n_params) == 6 * (matmul + norms) + 12 * N * D * L

@@ -136,3 +136,23 @@ def test_inspect_mfu_ceiling_counts_useful_flops_and_cannot_pass_100_percent():
     text = render(r)
     line = next(x for x in text.splitlines() if x.startswith("MFU ceiling on H200"))
     assert "at most 100%" in line and f"x{f['model'] / f['useful']:.3f}" in line, line
+
+
+@pytest.mark.parametrize("kv, tensor, sharded", [(2, 2, True), (4, 2, True), (1, 2, False), (2, 4, False)])
+def test_kv_heads_shard_over_tensor_where_they_divide_else_replicate(kv, tensor, sharded):
+    """The one logical-axis table places GQA's K/V heads: over the tensor axis when n_kv_heads divides it,
+    replicated otherwise (the query heads, which must divide, stay sharded either way)."""
+    import flax.linen as nn
+    from jax.sharding import AbstractMesh, PartitionSpec
+
+    from trainer.config import ModelConfig
+    from trainer.core.mesh import AXES, kv_replicated, rules
+
+    mesh = AbstractMesh((1, 1, tensor), AXES)
+    cfg = ModelConfig(arch="llama", n_heads=8, n_kv_heads=kv, d_model=128)
+    table = rules(mesh, cfg)
+    kv_spec = nn.logical_to_mesh_axes(("layers", "embed", None, "kv_heads", "head_dim"), table)
+    q_spec = nn.logical_to_mesh_axes(("layers", "embed", "heads", "head_dim"), table)
+    assert kv_spec == PartitionSpec(None, "fsdp", None, "tensor" if sharded else None, None)
+    assert q_spec == PartitionSpec(None, "fsdp", "tensor", None)
+    assert kv_replicated(cfg, tensor) == (not sharded)

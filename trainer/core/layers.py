@@ -114,13 +114,36 @@ def _layer_norm_bwd(eps, res, dy):
 layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
+# --- RMSNorm ------------------------------------------------------------------------------------------
+# Autodiff of the fp32 statistics would keep an fp32 copy of the activation and of the normalised product
+# ([B, L, D] each, twice per block), as it did for LayerNorm. This one keeps its input in the compute dtype
+# and the fp32 row statistic, and recomputes the normalised input in the backward.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def rms_norm(x, scale, eps: float):
     """Llama's RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) in fp32, cast to x's dtype, then scaled
-    (Hugging Face's LlamaRMSNorm, operation for operation). Autodiff's backward keeps only fp32 row statistics
-    besides the input: no custom rule needed."""
+    (Hugging Face's LlamaRMSNorm, operation for operation)."""
+    return _rms_norm_fwd(x, scale, eps)[0]
+
+
+def _rms_norm_fwd(x, scale, eps):
     xf = x.astype(jnp.float32)
-    y = xf * lax.rsqrt(jnp.mean(lax.square(xf), -1, keepdims=True) + eps)
-    return scale.astype(x.dtype) * y.astype(x.dtype)
+    rstd = lax.rsqrt(jnp.mean(lax.square(xf), -1, keepdims=True) + eps)
+    return scale.astype(x.dtype) * (xf * rstd).astype(x.dtype), (x, rstd, scale)
+
+
+def _rms_norm_bwd(eps, res, dy):
+    x, rstd, scale = res
+    g = dy.astype(jnp.float32)
+    xhat = x.astype(jnp.float32) * rstd
+    dscale = _sum_leading(g * xhat, x.ndim - 1).astype(scale.dtype)
+    dxhat = g * scale.astype(jnp.float32)
+    dx = rstd * (dxhat - xhat * jnp.mean(dxhat * xhat, -1, keepdims=True))
+    return dx.astype(x.dtype), dscale
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 # --- causal attention (XLA's path; on a GPU in bf16 cuDNN's fused kernel is used instead) -----------------

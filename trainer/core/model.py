@@ -109,6 +109,12 @@ def _attention(cfg: ModelConfig, q_BLHK, k_BLGK, v_BLGK):
     return causal_attention(q_BLHK, k_BLHK, v_BLHK)
 
 
+def swiglu(gu_BLUF):
+    """silu(gate) * up, from the gate|up pair [B, L, 2, F] (Llama's MLP activation)."""
+    gate_BLF, up_BLF = (a.squeeze(2) for a in jnp.split(gu_BLUF, 2, axis=2))
+    return jax.nn.silu(gate_BLF) * up_BLF
+
+
 def rotary(x_BLHK, theta: float):
     """Rotary position embedding, Hugging Face Llama's convention: dim i of a head's first half pairs with dim
     i + K/2, rotated by position / theta^(2i / K). Angles in fp32 (as HF computes them), applied in x's dtype."""
@@ -220,9 +226,10 @@ class Block(nn.Module):
         h_BLD = _norm(cfg, "ln_2")(x_BLD)
         if cfg.mlp == "swiglu":
             gu_BLUF = lin("gate_up", "BLD,DUF->BLUF", (D, 2, F), ("embed", None, "mlp"), 1)(h_BLD)
-            gate_BLF, up_BLF = (a.squeeze(2) for a in jnp.split(gu_BLUF, 2, axis=2))
-            h_BLF = nn.with_logical_constraint(jax.nn.silu(gate_BLF) * up_BLF, ("batch", "seq", "mlp"))
-            h_BLD = lin("out", "BLF,FD->BLD", (F, D), ("mlp", "embed"), 1, std_out)(h_BLF)
+            gu_BLUF = nn.with_logical_constraint(gu_BLUF, ("batch", "seq", None, "mlp"))
+            # out(silu(gate) * up): as with GELU, the projection recomputes the gating in the backward, so
+            # only the gate|up pair is kept for it (not also silu(gate) and the product: 2 F, not 4 F a token).
+            h_BLD = lin("out", "BLF,FD->BLD", (F, D), ("mlp", "embed"), 1, std_out, act=swiglu)(gu_BLUF)
         else:
             h_BLF = lin("fc", "BLD,DF->BLF", (D, F), ("embed", "mlp"), 1)(h_BLD)
             h_BLF = nn.with_logical_constraint(h_BLF, ("batch", "seq", "mlp"))
