@@ -241,6 +241,7 @@ def _write_conf(
     cred_expire: int,
     node_ports: dict[str, int] | None = None,
     slurmd_timeout: int = 300,
+    message_timeout: int = 10,
 ) -> None:
     """One node named ``host`` (``node_ports`` None), or one line per node of
     ``node_ports`` (name -> its slurmd port), each with its own spool/pid/log
@@ -302,7 +303,7 @@ def _write_conf(
         "MinJobAge=3600",
         "InactiveLimit=0",
         "Waittime=0",
-        "MessageTimeout=10",
+        f"MessageTimeout={message_timeout}",
         f"SlurmdTimeout={slurmd_timeout}",
         "SlurmctldTimeout=60",
         "TmpFS=/tmp",
@@ -596,8 +597,9 @@ def lose_node(env: dict[str, str], name: str, *, mark_down: bool = False, timeou
 
 
 def restore_node(env: dict[str, str], name: str, timeout: float = 60.0) -> float:
-    """Start node ``name``'s slurmd again (fresh, empty node-local storage) and wait until it is idle,
-    resuming it (``scontrol update State=RESUME``) if it registered but stays down. Returns seconds."""
+    """Start node ``name``'s slurmd again (fresh, empty node-local storage) and wait until it is back in
+    service: responding and not down/drained (``idle``, or ``mixed``/``allocated`` while a job still holds
+    it), resuming it (``scontrol update State=RESUME``) if it registered but stays down. Returns seconds."""
     c = _cluster(env)
     if name not in c.lost:
         raise SlurmClusterError(f"node {name} is not lost")
@@ -608,7 +610,7 @@ def restore_node(env: dict[str, str], name: str, timeout: float = 60.0) -> float
     resumed = False
     while True:
         state = node_states(env).get(name, "")
-        if state == "idle":
+        if state in ("idle", "mixed", "allocated", "completing"):
             return time.monotonic() - t0
         if p.poll() is not None:
             raise SlurmClusterError(f"slurmd for {name} exited with {p.returncode}")
@@ -639,6 +641,7 @@ def local_slurm(
     cluster_name: str = "localtest",
     cred_expire: int = 10,
     slurmd_timeout: int | None = None,
+    message_timeout: int = 10,
 ) -> Iterator[dict[str, str]]:
     """Start a private slurmctld + slurmd(s) (+ munged) on 127.0.0.1.
 
@@ -730,6 +733,7 @@ def local_slurm(
         cred_expire=cred_expire,
         node_ports=node_ports,
         slurmd_timeout=slurmd_timeout if slurmd_timeout is not None else (5 if multi else 300),
+        message_timeout=message_timeout,
     )
     if mode is not None:
         prolog = workdir / "task_prolog.sh"
