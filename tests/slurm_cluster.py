@@ -1,4 +1,4 @@
-"""A private, throw-away single-node SLURM cluster on 127.0.0.1 for tests.
+"""A private, throw-away SLURM cluster (one node, or several) on 127.0.0.1 for tests.
 
 Not a test module: import it from tests, e.g.::
 
@@ -24,6 +24,22 @@ What ``local_slurm`` does:
 * on exit cancels all jobs, stops the daemons and kills every leftover process
   that carries this cluster's marker environment variable (slurmstepd and job
   tasks are re-parented to init, so they are found through ``/proc``).
+
+Several nodes (``local_slurm(workdir, nodes=3, node_local="/local_scratch")``):
+N slurmds on 127.0.0.1 named n1..nN (own ports; named in /etc/hosts while the
+cluster runs), each in its own mount namespace with a private tmpfs at
+``node_local`` (this works under gVisor; ``node_local_mode="dir"`` uses a
+directory per node instead, found by tasks through ``$LOCAL_SLURM_NODE_LOCAL``).
+``lose_node(env, "n2")`` kills a node whole (slurmd, slurmstepds, tasks; its
+tmpfs goes with them), ``restore_node`` starts it again, empty. Measured here
+(SlurmdTimeout=5): slurmctld marks a lost node DOWN after about
+SlurmdTimeout + 2 x MessageTimeout (13 s at MessageTimeout=3, 27 s at 10), and
+only then kills the step on it (srun exits 137: "srun: error: Node failure on
+n2"); ``lose_node(..., mark_down=True)`` (``scontrol update State=DOWN``) makes
+that immediate. A job keeps its allocation only with ``--no-kill``. Killing
+srun (or ``scancel`` of the step) before the node is DOWN orphans the step:
+it stays, and new steps on its surviving nodes wait with "Requested nodes are
+busy" (``srun --overlap`` still starts).
 
 Requires root (slurmd must run as root) and the Debian packages installed by
 ``.ci/install-slurm.sh``.
@@ -249,6 +265,7 @@ def _write_conf(
     plugin_dir = _plugin_dir()
     multi = node_ports is not None
     per_node = "%n" if multi else ""
+    suffix = "-%n" if multi else ""  # slurmd-n1.pid, slurmd-n1.log
     names = list(node_ports) if multi else [host]
     if multi:
         node_lines = [
@@ -274,9 +291,9 @@ def _write_conf(
         f"StateSaveLocation={workdir / 'state'}",
         f"SlurmdSpoolDir={workdir / 'spool' / per_node}",
         f"SlurmctldPidFile={workdir / 'run' / 'slurmctld.pid'}",
-        f"SlurmdPidFile={workdir / 'run' / f'slurmd{per_node}.pid'}",
+        f"SlurmdPidFile={workdir / 'run' / f'slurmd{suffix}.pid'}",
         f"SlurmctldLogFile={workdir / 'log' / 'slurmctld.log'}",
-        f"SlurmdLogFile={workdir / 'log' / f'slurmd{per_node}.log'}",
+        f"SlurmdLogFile={workdir / 'log' / f'slurmd{suffix}.log'}",
         "SlurmctldDebug=info",
         "SlurmdDebug=info",
         # no cgroups anywhere (containers / gVisor)

@@ -44,11 +44,12 @@ def _require_slurm() -> None:
         pytest.skip(reason)
 
 
-def local_slurm(tmp_path):
+def local_slurm(tmp_path, mode: str = "auto"):
     return _local_slurm(
         tmp_path / "slurm",
         nodes=3,
         node_local=LOCAL,
+        node_local_mode=mode,
         cpus=2,
         slurmd_timeout=SLURMD_TIMEOUT,
         message_timeout=MESSAGE_TIMEOUT,
@@ -63,9 +64,11 @@ def srun(env, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[st
 WRITE_AND_LIST = f'touch "${NODE_LOCAL_VAR}/from.$SLURMD_NODENAME"; echo "$SLURMD_NODENAME $(ls ${NODE_LOCAL_VAR})"'
 
 
-def test_three_nodes_each_with_its_own_node_local_storage(tmp_path):
+# "auto" is a private tmpfs per node where mount namespaces work (they do under gVisor), else "dir".
+@pytest.mark.parametrize("mode", ["auto", "dir"])
+def test_three_nodes_each_with_its_own_node_local_storage(tmp_path, mode):
     _require_slurm()
-    with local_slurm(tmp_path) as env:
+    with local_slurm(tmp_path, mode) as env:
         print(
             f"3-node cluster up in {env['LOCAL_SLURM_STARTUP_SECONDS']} s, node-local storage: "
             f"{env['LOCAL_SLURM_NODE_LOCAL_MODE']}"
