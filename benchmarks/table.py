@@ -7,6 +7,8 @@ from __future__ import annotations
 
 GPU_ROWS = (  # (label, path into the gpu result, target)
     ("MFU, ~1B on one H200", ("gpt-1b", "mfu"), ">= 0.45"),
+    ("MFU, ~1B Llama (GQA, cuDNN) on one H200", ("llama-1b", "mfu"), ">= 0.45"),
+    ("tokens/s, ~1B Llama on one H200", ("llama-1b", "tokens_per_s"), "-"),
     ("MFU, 124M on one H200", ("gpt2-124m", "mfu"), "-"),
     ("step time, ~1B (s)", ("gpt-1b", "step_s"), "-"),
     ("step time, 124M (s)", ("gpt2-124m", "step_s"), "-"),
