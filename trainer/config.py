@@ -37,17 +37,17 @@ REMAT = ("none", "full", "save_dots", "save_attention")  # model.remat's policie
 
 
 # model.arch -> the parts that family implies, for each model key its YAML leaves unset (trainer.core.model).
-ARCH_DEFAULTS = {
-    "gpt2": {},  # the ModelConfig defaults below are GPT-2's
-    "llama": {
-        "position": "rope",
-        "norm": "rmsnorm",
-        "mlp": "swiglu",
-        "bias": False,
-        "tie_embeddings": False,
-    },
+ARCH_DEFAULTS = {  # gpt2: the ModelConfig defaults below are GPT-2's
+    "gpt2": {},
+    "llama": dict(position="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False),
 }
-MODEL_CHOICES = {"position": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu")}
+MODEL_CHOICES = {
+    "position": ("learned", "rope"),
+    "norm": ("layernorm", "rmsnorm"),
+    "mlp": ("gelu", "swiglu"),
+    "compute_dtype": ("float32", "bfloat16"),
+    "attention": ("auto", "xla", "xla_remat", "cudnn"),
+}
 
 
 @dataclass
@@ -150,19 +150,7 @@ class IntegrityConfig:
 
 
 # faults[].kind and faults[].phase (where hang and slow fire); trainer.supervise.faults fires them
-FAULT_KINDS = (
-    "crash",
-    "hang",
-    "crash_mid_save",
-    "slow",
-    "slow_save",
-    "signal",
-    "ecc",
-    "nan",
-    "spike",
-    "bitflip",
-    "startup",
-)
+FAULT_KINDS = tuple("crash hang crash_mid_save slow slow_save signal ecc nan spike bitflip startup".split())
 FAULT_PHASES = ("step", "startup", "restore", "compile", "checkpoint", "eval")
 
 
@@ -331,22 +319,17 @@ def _validate_ranges(cfg: Config) -> None:
 
 
 def _validate_model_and_run(cfg: Config) -> None:
-    if cfg.model.d_model % cfg.model.n_heads:
-        raise ConfigError(
-            f"model.d_model ({cfg.model.d_model}) must be divisible by model.n_heads ({cfg.model.n_heads})"
-        )
     m = cfg.model
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
     if m.n_heads % (m.n_kv_heads or m.n_heads):
         raise ConfigError(f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.n_kv_heads})")
     for key, choices in MODEL_CHOICES.items():
         if getattr(m, key) not in choices:
-            raise ConfigError(f"model.{key} must be {' or '.join(choices)}, got {getattr(m, key)!r}")
+            say = f"{', '.join(choices[:-1])} or {choices[-1]}"
+            raise ConfigError(f"model.{key} must be {say}, got {getattr(m, key)!r}")
     if m.position == "rope" and (m.d_model // m.n_heads) % 2:
         raise ConfigError(f"model.position=rope needs an even head dim (d_model / n_heads = {m.d_model // m.n_heads})")
-    if cfg.model.compute_dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"model.compute_dtype must be float32 or bfloat16, got {cfg.model.compute_dtype!r}")
-    if cfg.model.attention not in ("auto", "xla", "xla_remat", "cudnn"):
-        raise ConfigError(f"model.attention must be auto, xla, xla_remat or cudnn, got {cfg.model.attention!r}")
     if (remat := cfg.model.remat) not in REMAT:  # was a bool: say which policy the old value meant
         was = {"True": "; true is now full", "False": "; false is now none"}.get(remat, "")
         raise ConfigError(f"model.remat must be one of {', '.join(REMAT)}, got {remat!r}{was}")
