@@ -25,6 +25,7 @@ from trainer.observe.event_names import (
     ALERT_CLEARED,
     GAVE_UP,
     HANG_DETECTED,
+    NODE_SUSPECT,
     PREEMPTED,
     RESTART,
     RUN_COMPLETE,
@@ -56,7 +57,7 @@ class Supervisor:
         self.events = EventLog(self.run_dir / rundir.EVENTS, by="supervisor", hold=True)
         self.stop_signal: int | None = None
         self.accepted = False  # the worker got past config validation at least once
-        self.launcher = launcher.Launcher(cfg.launch)
+        self.launcher = launcher.Launcher(cfg.launch, run_dir=self.run_dir)
         self.overdue: tuple | None = None  # (pid, heartbeat time) of the silence a step_overdue alert is about
 
     # --- worker lifecycle -------------------------------------------------------------------
@@ -64,6 +65,8 @@ class Supervisor:
         log_dir = self.run_dir / rundir.LOGS
         env = dict(os.environ, **{env_vars.PYTHONUNBUFFERED: "1", env_vars.ATTEMPT: str(number)})
         proc = self.launcher.start(number, self.worker_argv, env)
+        for node, reason in self.launcher.new_suspects:
+            self.events.write(NODE_SUSPECT, step=_last_step(self.run_dir), node=node, reason=reason)
         att = Attempt(number, proc, time.time())
         threading.Thread(target=self._pump, args=(att, log_dir), daemon=True).start()
         self.events.write(WORKER_START, pid=proc.pid, attempt=number, **self.launcher.describe())
