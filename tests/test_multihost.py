@@ -311,6 +311,9 @@ def test_node_blame_names_the_node_that_died_not_its_survivors():
         "srun: Job 1 step creation temporarily disabled, retrying (Requested nodes are busy)",
     )
     assert g.blame() == [] and "Requested nodes are busy" in g.describe_exit()["step_blocked"]
+    assert g._blocked_t  # would end the attempt after STEP_START_GRACE_S
+    g._watch("srun: Step created for StepId=1.3\n")
+    assert not g._blocked_t  # it got its step: not ended for the wait
 
 
 def test_peer_loss_is_recognised_from_the_collectives_error():

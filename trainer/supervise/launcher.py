@@ -185,6 +185,8 @@ _NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")
 # srun waiting for resources it may never get, e.g. `srun: Job 12 step creation temporarily disabled, retrying
 # (Requested nodes are busy)` while an earlier step still holds a lost node; or giving up on the step.
 _STEP_BLOCKED = re.compile(r"step creation temporarily disabled|Requested nodes are busy|Unable to create step")
+# The step exists after all: srun says so after a retry, or a task prints (`--label`: "0: ...").
+_STEP_STARTED = re.compile(r"srun: Step created|\d+: ")
 _SIGNALS = {
     "Killed": -signal.SIGKILL,
     "Terminated": -signal.SIGTERM,
@@ -241,6 +243,8 @@ class SrunGroup(Group):
                 self._peer_lost_t = time.monotonic()
         elif _STEP_BLOCKED.search(line) and not self.blocked:
             self.blocked, self._blocked_t = line, time.monotonic()
+        elif self._blocked_t and _STEP_STARTED.match(line):
+            self._blocked_t = 0.0  # srun got its step after all: the tasks run
 
     def _should_end(self) -> bool:
         now = time.monotonic()
