@@ -195,7 +195,7 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_signal)
         t0 = time.time()
         self.events.write(SUPERVISOR_START, pid=os.getpid())
-        same_step_failures, restarts, last_fail_step = 0, 0, "unset"
+        same_step_failures, restarts, last_fail_step, blocked_streak = 0, 0, "unset", 0
         interim_ledger = False
         number = 0
         while True:
@@ -247,20 +247,25 @@ class Supervisor:
                     f"supervisor: {replica_rewind.rewind(self.run_dir, self.events.write, tag=number)}", file=sys.stderr
                 )
                 reason = "replica mismatch"
-            # A crash loop is the same step failing again and again; random faults land elsewhere.
-            same_step_failures = same_step_failures + 1 if step == last_fail_step else 1
-            last_fail_step = step
+            # A crash loop is the same step failing again and again; random faults land elsewhere. An attempt
+            # whose srun step never started (its nodes still held) ran nothing: it backs off, bounded by the
+            # restart budget, but is no crash.
+            blocked = bool(att.proc.describe_exit().get("step_blocked"))
+            if blocked:
+                reason = "step could not start"
+                blocked_streak += 1
+            else:
+                blocked_streak = 0
+                same_step_failures = same_step_failures + 1 if step == last_fail_step else 1
+                last_fail_step = step
             if same_step_failures >= self.sc.crash_loop_restarts:
                 return self._give_up(exit_codes.CRASH_LOOP, step, reason, att, t0, restarts)
             if restarts >= self.sc.max_restarts:
                 return self._give_up(exit_codes.RESTART_BUDGET, step, reason, att, t0, restarts)
             # A failure at a new step restarts at once: each second here is the whole cluster idle. Only a
             # step that fails again backs off (exponentially, bounded), e.g. for a flaky filesystem.
-            delay = (
-                0.0
-                if same_step_failures == 1
-                else min(self.sc.backoff_s * 2 ** (same_step_failures - 2), self.sc.backoff_max_s)
-            )
+            tries = blocked_streak + 1 if blocked else same_step_failures
+            delay = 0.0 if tries == 1 else min(self.sc.backoff_s * 2 ** (tries - 2), self.sc.backoff_max_s)
             restarts += 1
             self.events.write(RESTART, step=step, reason=reason, attempt=number + 1, backoff_s=delay)
             interim_ledger = True
