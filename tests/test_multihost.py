@@ -270,18 +270,64 @@ def test_srun_step_command_and_task_errors():
     cmd = launcher.srun_command(
         ["python", "-m", "trainer"], nodes=["n1", "n3"], processes=4, per_node=2, launch_id="trainer-x"
     )
-    assert cmd[:8] == [
+    assert cmd[:9] == [
         "srun",
         "--nodes=2",
         "--ntasks=4",
         "--ntasks-per-node=2",
         "--nodelist=n1,n3",
         "--kill-on-bad-exit=1",
+        "--overlap",  # a step stuck on a lost node must not block the next one
         "--label",
         "--job-name=trainer-x",
     ]
     assert launcher.task_error_code("Killed") == -signal.SIGKILL
     assert launcher.task_error_code("Exited with exit code 75") == 75
+
+
+def _srun_output(*lines: str) -> launcher.SrunGroup:
+    """An SrunGroup that read `lines` from srun (the step itself is `true`)."""
+    g = launcher.SrunGroup(["true"], {}, processes=2, nodes=["n1", "n2"], launch_id="t", job_id="1")
+    g.wait(timeout=30)
+    for ln in lines:
+        g._watch(ln + "\n")
+    return g
+
+
+def test_node_blame_names_the_node_that_died_not_its_survivors():
+    # A task crashed on n2; its peer on n1 then lost its connection (exit PEER_LOST): n2 is the one.
+    g = _srun_output("srun: error: n2: task 1: Killed", "srun: error: n1: task 0: Exited with exit code 82")
+    assert g.failed_node() == "n2" and g.blame() == [("n2", "its task failed first (signal SIGKILL)")]
+    # A lost node's task is never reported: the survivor's PEER_LOST comes first, and n2 said nothing.
+    g = _srun_output(f"srun: error: n1: task 0: Exited with exit code {exit_codes.PEER_LOST}")
+    assert g.failed_node() is None and [n for n, _ in g.blame()] == ["n2"] and "vanished" in g.blame()[0][1]
+    # SLURM noticed the loss and killed the step: the survivor's "Killed" is a consequence.
+    g = _srun_output("srun: error: Node failure on n2", "srun: error: n1: task 0: Killed")
+    assert g.blame() == [("n2", "SLURM reported a node failure during the step")]
+    assert g.describe_exit()["node_failures"] == ["n2"]
+    # Controlled exits blame nobody; a step that cannot be created is said so.
+    g = _srun_output(
+        "srun: error: n1: task 0: Exited with exit code 75",
+        "srun: Job 1 step creation temporarily disabled, retrying (Requested nodes are busy)",
+    )
+    assert g.blame() == [] and "Requested nodes are busy" in g.describe_exit()["step_blocked"]
+    assert g._blocked_t  # would end the attempt after STEP_START_GRACE_S
+    g._watch("srun: Step created for StepId=1.3\n")
+    assert not g._blocked_t  # it got its step: not ended for the wait
+
+
+def test_peer_loss_is_recognised_from_the_collectives_error():
+    assert exit_codes.is_peer_loss("XlaRuntimeError: [Gloo] ... Connection closed by peer [10.0.0.2]:4321")
+    assert not exit_codes.is_peer_loss("RuntimeError: out of memory")
+
+
+def test_suspect_nodes_persist_in_the_run_dir(tmp_path):
+    path = tmp_path / "suspect_nodes.json"
+    assert launcher.read_suspects(path) == {}
+    launcher.write_suspects(path, {"n2": {"reason": "lost", "time": 1.0, "job": "7"}})
+    assert launcher.read_suspects(path) == {"n2": {"reason": "lost", "time": 1.0, "job": "7"}}
+    path.write_text("{torn")
+    assert launcher.read_suspects(path) == {}
 
 
 def test_membership_from_explicit_settings_or_a_slurm_step():

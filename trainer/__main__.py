@@ -14,6 +14,7 @@ import traceback
 
 from trainer.config import Config, ConfigError, load_config
 from trainer.observe import env_vars
+from trainer.supervise import exit_codes
 
 PEER_DEATH_GRACE_S = 3.0  # see run_worker
 
@@ -111,6 +112,8 @@ def run_worker(cfg: Config) -> int:
             # In training, a collective usually raises here because a peer died (killed, lost its node). Let
             # the peer's death be seen first, so the launcher blames (and SLURM replaces) the right node.
             time.sleep(PEER_DEATH_GRACE_S)
+            if exit_codes.is_peer_loss(f"{type(e).__name__}: {e}"):
+                os._exit(exit_codes.PEER_LOST)  # a survivor: the launcher blames the peer's node, not ours
         os._exit(2 if isinstance(e, ConfigError) else 1)
 
 

@@ -40,6 +40,7 @@ WORKER_EXIT = "worker_exit"
 HANG_DETECTED = "hang_detected"
 STACKS_DUMPED = "stacks_dumped"
 RESTART = "restart"
+NODE_SUSPECT = "node_suspect"  # a SLURM node blamed for a failure (node, reason); later steps avoid it
 GAVE_UP = "gave_up"
 REPLICA_REWIND = "replica_rewind"
 # the spike runbook's: its actions skip and soften are recorded under the same names in runbook.json

@@ -27,6 +27,7 @@ LOGS = "logs"  # worker-ATTEMPT.log: each attempt's output, as the supervisor sa
 AUDIT = "audit"  # process-I.jsonl: the data each process consumed (data.audit)
 REPORT = "report"  # the end-of-run report: REPORT_MD and its plots
 REPORT_MD = "report.md"
+SUSPECT_NODES = "suspect_nodes.json"  # SLURM nodes the supervisor blamed for a failure, and why
 
 
 def check_writable(run_dir: str | Path) -> None:

@@ -11,7 +11,7 @@ import statistics
 import sys
 
 from trainer.config import ConfigError
-from trainer.observe import goodput
+from trainer.observe import goodput, rundir
 from trainer.observe.event_names import ALERT, CHECKPOINT_SAVED, HEALTH, RESTART, REWIND, RUNBOOK_EVENTS
 from trainer.observe.progress import fmt_duration, fmt_loss
 from trainer.observe.runview import RunView, latest_evals, ledger_now, load, open_alerts, overdue_limit, run_state
@@ -98,6 +98,7 @@ def _ops_lines(v: RunView, live: bool) -> list[str]:
     restarts = [e for e in v.events if e["event"] == RESTART]
     why = "; ".join(f"{e.get('reason', '?')} at step {e.get('step')}" for e in restarts[-3:])
     out.append(f"restarts  {len(restarts)}" + (f"  (last: {why})" if restarts else ""))
+    out += _suspect_lines(v)
     actions = [e for e in v.events if e["event"] in RUNBOOK_EVENTS]
     if actions:
         what = ", ".join(f"{e['event']} at step {e.get('step')}" for e in actions[-4:])
@@ -106,6 +107,19 @@ def _ops_lines(v: RunView, live: bool) -> list[str]:
     fr = led["goodput"]["fractions"]
     shares = "  ".join(f"{k} {fr[k]:.0%}" for k in goodput.CATEGORIES)
     out.append(f"goodput   {shares}   of {fmt_duration(led['wall_s'])}")
+    return out
+
+
+def _suspect_lines(v: RunView) -> list[str]:
+    """The SLURM nodes the supervisor blamed (RUN_DIR/suspect_nodes.json): later steps and jobs avoid them."""
+    nodes = (rundir.read_json(v.run_dir / rundir.SUSPECT_NODES) or {}).get("nodes") or {}
+    if not isinstance(nodes, dict) or not nodes:
+        return []
+    out = [f"suspects  {len(nodes)} node{'s' if len(nodes) > 1 else ''} avoided by later steps:"]
+    for name, info in sorted(nodes.items()):
+        info = info if isinstance(info, dict) else {}
+        job = f", job {info['job']}" if info.get("job") else ""
+        out.append(f"  - {name}: {info.get('reason', '?')}{job}")
     return out
 
 

@@ -10,6 +10,7 @@ SPIKE = 78  # worker -> supervisor: a loss spike was detected; run the runbook
 RUNBOOK_GAVE_UP = 79  # the spike runbook spent its budget of actions
 REPLICA_MISMATCH = 80  # worker -> supervisor: data-parallel replicas diverged (silent data corruption); rewind
 STORAGE = 81  # a checkpoint could not be written (disk full, write error): earlier ones are intact
+PEER_LOST = 82  # a collective failed because a peer went away (its node died): this process's node is not to blame
 
 NAMES = {
     OK: "ok",
@@ -22,4 +23,18 @@ NAMES = {
     RUNBOOK_GAVE_UP: "runbook gave up",
     REPLICA_MISMATCH: "replica mismatch",
     STORAGE: "checkpoint storage failed",
+    PEER_LOST: "lost a peer",
 }
+
+# What a collective raises when a peer process or its node went away (gloo over TCP, NCCL, the coordination
+# service): the process that prints it is a survivor, not the cause.
+PEER_LOSS_MARKS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",
+)
+
+
+def is_peer_loss(text: str) -> bool:
+    return any(m in text for m in PEER_LOSS_MARKS)

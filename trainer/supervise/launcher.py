@@ -17,10 +17,12 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
+from pathlib import Path
 
 from trainer.config import ConfigError, LaunchConfig
-from trainer.observe import env_vars
+from trainer.observe import env_vars, rundir
 from trainer.supervise import exit_codes, membership
+from trainer.supervise.nodes import down_nodes, hostnames, plan_nodes, read_suspects, write_suspects
 
 PR_SET_PDEATHSIG = 1
 # Exits the worker chose (under SLURM: its node is not suspect); anything else means the group is broken.
@@ -177,6 +179,14 @@ class LocalGroup(Group):
 
 # `srun: error: node7: task 1: Killed` / `srun: error: node7: tasks 0-3: Exited with exit code 13`
 _TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? [\d,\-]+: (.+)$")
+# SLURM marked a node of the step DOWN and killed the step: `srun: error: Node failure on node7`. The tasks
+# it killed on the other nodes are reported after (or before) it: consequences, not causes.
+_NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")
+# srun waiting for resources it may never get, e.g. `srun: Job 12 step creation temporarily disabled, retrying
+# (Requested nodes are busy)` while an earlier step still holds a lost node; or giving up on the step.
+_STEP_BLOCKED = re.compile(r"step creation temporarily disabled|Requested nodes are busy|Unable to create step")
+# The step exists after all: srun says so after a retry, or a task prints (`--label`: "0: ...").
+_STEP_STARTED = re.compile(r"srun: Step created|\d+: ")
 _SIGNALS = {
     "Killed": -signal.SIGKILL,
     "Terminated": -signal.SIGTERM,
@@ -184,6 +194,12 @@ _SIGNALS = {
     "Aborted": -signal.SIGABRT,
     "Bus error": -signal.SIGBUS,
 }
+# After a survivor reports a lost peer (exit PEER_LOST), how long the other tasks' reports may take before the
+# step is torn down: a task that really died is reported before its peers' PEER_LOST (they wait
+# trainer.__main__.PEER_DEATH_GRACE_S first); a lost node's task is never reported at all.
+PEER_REPORT_GRACE_S = 2.0
+# How long srun may wait for a step it cannot create before the attempt is ended and planned again.
+STEP_START_GRACE_S = 15.0
 
 
 def task_error_code(status: str) -> int | None:
@@ -193,35 +209,64 @@ def task_error_code(status: str) -> int | None:
 
 class SrunGroup(Group):
     """One srun step across the chosen nodes. `--kill-on-bad-exit` makes SLURM end the whole step
-    when one task dies; srun's first task error names the node and the cause."""
+    when one task dies; srun's task errors name the nodes and the causes. Every step is created with
+    `--overlap`: a step that held a lost node stays in SLURM until the node is marked DOWN (SlurmdTimeout
+    later; minutes on real clusters), and a non-overlapping step on its surviving nodes would wait for it
+    ("Requested nodes are busy"). The supervisor has already killed that step's tasks."""
 
     def __init__(
         self, cmd: list[str], env: Mapping[str, str], *, processes: int, nodes: list[str], launch_id: str, job_id: str
     ):
         self.processes, self.nodes, self.launch_id, self._job = processes, nodes, launch_id, job_id
-        self.first_error: tuple[str, int] | None = None  # (node, code) of the first task that failed
+        self.errors: list[tuple[str, int]] = []  # (node, code) of each failed task report, in srun's order
+        self.node_failures: list[str] = []  # nodes SLURM reported failed while the step ran
+        self.blocked: str = ""  # srun's line saying the step cannot be created (yet)
+        self._blocked_t = 0.0
+        self._peer_lost_t = 0.0
         self._proc = _spawn(cmd, env)
         self.pid = self._proc.pid
         self.stdout = _Merged([self._proc.stdout], label=False, on_line=self._watch)
         self._step = ""
         self._killing = False
 
+    @property
+    def first_error(self) -> tuple[str, int] | None:
+        return self.errors[0] if self.errors else None
+
     def _watch(self, line: str) -> None:
-        m = _TASK_ERROR.search(line.rstrip())
-        if m and self.first_error is None and (code := task_error_code(m.group(2))) is not None:
-            self.first_error = (m.group(1), code)
+        line = line.rstrip()
+        if m := _NODE_FAILURE.search(line):
+            self.node_failures.append(m.group(1))
+        elif (m := _TASK_ERROR.search(line)) and (code := task_error_code(m.group(2))) is not None:
+            self.errors.append((m.group(1), code))
+            if code == exit_codes.PEER_LOST and not self._peer_lost_t:
+                self._peer_lost_t = time.monotonic()
+        elif _STEP_BLOCKED.search(line) and not self.blocked:
+            self.blocked, self._blocked_t = line, time.monotonic()
+        elif self._blocked_t and _STEP_STARTED.match(line):
+            self._blocked_t = 0.0  # srun got its step after all: the tasks run
+
+    def _should_end(self) -> bool:
+        now = time.monotonic()
+        return bool(
+            self.failed_node()
+            or (self._peer_lost_t and now - self._peer_lost_t > PEER_REPORT_GRACE_S)
+            or (self._blocked_t and now - self._blocked_t > STEP_START_GRACE_S)
+        )
 
     def poll(self) -> int | None:
         code = self._proc.poll()
         if code is None:
-            if self.failed_node() and not self._killing:
+            if not self._killing and self._should_end():
                 # SLURM would SIGTERM the survivors and SIGKILL them only after KillWait (30 s by default);
-                # they cannot finish a step without their peer, so do not wait.
+                # they cannot finish a step without their peer, so do not wait. A lost node's task is not
+                # reported at all, and srun would wait for it until SLURM marks the node DOWN.
                 self._killing = True
                 self.send_signal(signal.SIGKILL)
             return None
         # srun reports the worst task code, which is often a peer SLURM killed; the first error is the cause.
-        self.returncode = self.first_error[1] if self.first_error else code
+        causes = [c for _, c in self.errors if c != exit_codes.PEER_LOST]
+        self.returncode = causes[0] if causes else self.errors[0][1] if self.errors else code
         return self.returncode
 
     def _step_id(self) -> str:
@@ -246,33 +291,40 @@ class SrunGroup(Group):
                 pass
 
     def describe_exit(self) -> dict:
-        return {"first_task_error": list(self.first_error)} if self.first_error else {}
+        out: dict = {"first_task_error": list(self.first_error)} if self.first_error else {}
+        if len(self.errors) > 1:
+            out["task_errors"] = [list(e) for e in self.errors]
+        if self.node_failures:
+            out["node_failures"] = self.node_failures
+        if self.blocked:
+            out["step_blocked"] = self.blocked
+        return out
 
     def failed_node(self) -> str | None:
-        """The node whose task died first, unless it left on purpose (preempted, spike, ...)."""
-        if self.first_error and self.first_error[1] not in CONTROLLED:
-            return self.first_error[0]
-        return None
+        """A node SLURM reported failed; else the node whose task died first, unless it left on purpose
+        (preempted, spike, ...) or because its peer went away (PEER_LOST: a survivor)."""
+        if self.node_failures:
+            return self.node_failures[0]
+        return next((n for n, c in self.errors if c not in (*CONTROLLED, exit_codes.PEER_LOST)), None)
 
-
-def plan_nodes(
-    allocated: list[str], suspects: set[str], *, processes: int, per_node: int, min_processes: int
-) -> tuple[list[str], int]:
-    """Nodes and process count for the next step. Spares replace suspect nodes so the mesh keeps its
-    shape; with too few healthy nodes, shrink to a divisor of `processes` if min_processes allows;
-    otherwise retry on suspect nodes too (a lost process is not a lost node). A shrunk group keeps the
-    global batch AND each device's batch: its workers (trainer.core.worker.elastic_microbatches) raise
-    train.microbatches by processes / shrunk count, so memory per device does not grow."""
-    need = processes // per_node
-    healthy = [n for n in allocated if n not in suspects]
-    if len(healthy) >= need:
-        return healthy[:need], processes
-    fits = [
-        p for p in range(processes, 0, -1) if processes % p == 0 and p % per_node == 0 and p // per_node <= len(healthy)
-    ]
-    if min_processes and fits and fits[0] >= min_processes:
-        return healthy[: fits[0] // per_node], fits[0]
-    return (healthy + [n for n in allocated if n in suspects])[:need], processes
+    def blame(self) -> list[tuple[str, str]]:
+        """(node, why) for each node this attempt's failure points at: the node whose task died first; or,
+        when the only reports are survivors' lost peers, the step's nodes whose tasks were never reported
+        (a lost node's tasks vanish with it, and srun hears nothing from them)."""
+        if self.node_failures:
+            return [(n, "SLURM reported a node failure during the step") for n in dict.fromkeys(self.node_failures)]
+        if node := self.failed_node():
+            code = next(c for n, c in self.errors if n == node)
+            what = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            return [(node, f"its task failed first ({what})")]
+        if any(c == exit_codes.PEER_LOST for _, c in self.errors):
+            reported = {n for n, _ in self.errors}
+            return [
+                (n, "its task vanished without a report while its peers lost their connection to it")
+                for n in self.nodes
+                if n not in reported
+            ]
+        return []
 
 
 def srun_command(argv: list[str], *, nodes: list[str], processes: int, per_node: int, launch_id: str) -> list[str]:
@@ -283,6 +335,7 @@ def srun_command(argv: list[str], *, nodes: list[str], processes: int, per_node:
         f"--ntasks-per-node={per_node}",
         f"--nodelist={','.join(nodes)}",
         "--kill-on-bad-exit=1",
+        "--overlap",  # see SrunGroup
         "--label",
         f"--job-name={launch_id}",
         *argv,
@@ -290,13 +343,16 @@ def srun_command(argv: list[str], *, nodes: list[str], processes: int, per_node:
 
 
 class Launcher:
-    """Builds each attempt's group; in SLURM mode it also remembers suspect nodes across attempts."""
+    """Builds each attempt's group; in SLURM mode it also remembers suspect nodes across attempts, and across
+    jobs through RUN_DIR/suspect_nodes.json (a requeued job's new supervisor still avoids them)."""
 
-    def __init__(self, cfg: LaunchConfig, env: Mapping[str, str] = os.environ):
+    def __init__(self, cfg: LaunchConfig, env: Mapping[str, str] = os.environ, run_dir: Path | None = None):
         self.cfg = cfg
-        self.suspects: set[str] = set()
+        self.suspects: dict[str, dict] = {}  # node -> {"reason", "time", "job"}
+        self.new_suspects: list[tuple[str, str]] = []  # (node, reason) found by the latest start(), for events
         self._last: Group | None = None
         self.allocated: list[str] = []
+        self._file = Path(run_dir) / rundir.SUSPECT_NODES if run_dir is not None else None
         if cfg.mode == "slurm":
             if env_vars.SLURM_JOB_ID not in env:
                 raise ConfigError("launch.mode=slurm needs a SLURM allocation (run launch/slurm.sbatch with sbatch)")
@@ -308,6 +364,13 @@ class Launcher:
                     f"launch.processes={cfg.processes} at {cfg.processes_per_node} per node needs "
                     f"{need} nodes; the allocation has {len(self.allocated)}"
                 )
+            self.suspects = read_suspects(self._file) if self._file else {}
+
+    def _suspect(self, node: str, reason: str) -> None:
+        if node in self.suspects:  # the first reason stands; the node is avoided either way
+            return
+        self.suspects[node] = {"reason": reason, "time": time.time(), "job": self.job}
+        self.new_suspects.append((node, reason))
 
     def start(self, attempt: int, argv: list[str], env: Mapping[str, str]) -> Group:
         env = dict(env, **{env_vars.ATTEMPT: str(attempt)})
@@ -315,12 +378,17 @@ class Launcher:
             port = self.cfg.coordinator_port + attempt if self.cfg.coordinator_port else free_port()
             self._last = LocalGroup(argv, env, processes=self.cfg.processes, port=port, grace_s=self.cfg.exit_grace_s)
             return self._last
-        if isinstance(self._last, SrunGroup) and (bad := self._last.failed_node()):
-            self.suspects.add(bad)
-        self.suspects |= down_nodes(self.allocated)
+        self.new_suspects = []
+        if isinstance(self._last, SrunGroup):
+            for node, why in self._last.blame():
+                self._suspect(node, why)
+        for node, state in down_nodes(self.allocated).items():
+            self._suspect(node, f"SLURM reports it {state}")
+        if self.new_suspects and self._file:
+            write_suspects(self._file, self.suspects)
         nodes, n = plan_nodes(
             self.allocated,
-            self.suspects,
+            set(self.suspects),
             processes=self.cfg.processes,
             per_node=self.cfg.processes_per_node,
             min_processes=self.cfg.min_processes,
@@ -343,25 +411,3 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def hostnames(nodelist: str) -> list[str]:
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
-    return out.stdout.split() or [nodelist]
-
-
-def down_nodes(nodes: list[str]) -> set[str]:
-    """Nodes SLURM itself reports as failed: down, drained, failing or not responding."""
-    if not nodes:
-        return set()
-    out = subprocess.run(
-        ["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %t"], capture_output=True, text=True, timeout=30
-    ).stdout
-    bad = {"down", "drain", "drng", "fail", "failg", "npc", "no_respond"}
-    out_nodes = set()
-    for ln in out.splitlines():
-        parts = ln.split()
-        # A trailing "*" means not responding; other suffixes only qualify the state.
-        if len(parts) == 2 and (parts[1].endswith("*") or parts[1].rstrip("~#!%$@^-") in bad):
-            out_nodes.add(parts[0])
-    return out_nodes

@@ -25,6 +25,7 @@ from trainer.observe.event_names import (
     ALERT_CLEARED,
     GAVE_UP,
     HANG_DETECTED,
+    NODE_SUSPECT,
     PREEMPTED,
     RESTART,
     RUN_COMPLETE,
@@ -56,7 +57,7 @@ class Supervisor:
         self.events = EventLog(self.run_dir / rundir.EVENTS, by="supervisor", hold=True)
         self.stop_signal: int | None = None
         self.accepted = False  # the worker got past config validation at least once
-        self.launcher = launcher.Launcher(cfg.launch)
+        self.launcher = launcher.Launcher(cfg.launch, run_dir=self.run_dir)
         self.overdue: tuple | None = None  # (pid, heartbeat time) of the silence a step_overdue alert is about
 
     # --- worker lifecycle -------------------------------------------------------------------
@@ -64,6 +65,8 @@ class Supervisor:
         log_dir = self.run_dir / rundir.LOGS
         env = dict(os.environ, **{env_vars.PYTHONUNBUFFERED: "1", env_vars.ATTEMPT: str(number)})
         proc = self.launcher.start(number, self.worker_argv, env)
+        for node, reason in self.launcher.new_suspects:
+            self.events.write(NODE_SUSPECT, step=_last_step(self.run_dir), node=node, reason=reason)
         att = Attempt(number, proc, time.time())
         threading.Thread(target=self._pump, args=(att, log_dir), daemon=True).start()
         self.events.write(WORKER_START, pid=proc.pid, attempt=number, **self.launcher.describe())
@@ -192,7 +195,7 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_signal)
         t0 = time.time()
         self.events.write(SUPERVISOR_START, pid=os.getpid())
-        same_step_failures, restarts, last_fail_step = 0, 0, "unset"
+        same_step_failures, restarts, last_fail_step, blocked_streak = 0, 0, "unset", 0
         interim_ledger = False
         number = 0
         while True:
@@ -244,20 +247,25 @@ class Supervisor:
                     f"supervisor: {replica_rewind.rewind(self.run_dir, self.events.write, tag=number)}", file=sys.stderr
                 )
                 reason = "replica mismatch"
-            # A crash loop is the same step failing again and again; random faults land elsewhere.
-            same_step_failures = same_step_failures + 1 if step == last_fail_step else 1
-            last_fail_step = step
+            # A crash loop is the same step failing again and again; random faults land elsewhere. An attempt
+            # whose srun step never started (its nodes still held) ran nothing: it backs off, bounded by the
+            # restart budget, but is no crash.
+            blocked = bool(att.proc.describe_exit().get("step_blocked"))
+            if blocked:
+                reason = "step could not start"
+                blocked_streak += 1
+            else:
+                blocked_streak = 0
+                same_step_failures = same_step_failures + 1 if step == last_fail_step else 1
+                last_fail_step = step
             if same_step_failures >= self.sc.crash_loop_restarts:
                 return self._give_up(exit_codes.CRASH_LOOP, step, reason, att, t0, restarts)
             if restarts >= self.sc.max_restarts:
                 return self._give_up(exit_codes.RESTART_BUDGET, step, reason, att, t0, restarts)
             # A failure at a new step restarts at once: each second here is the whole cluster idle. Only a
             # step that fails again backs off (exponentially, bounded), e.g. for a flaky filesystem.
-            delay = (
-                0.0
-                if same_step_failures == 1
-                else min(self.sc.backoff_s * 2 ** (same_step_failures - 2), self.sc.backoff_max_s)
-            )
+            tries = blocked_streak + 1 if blocked else same_step_failures
+            delay = 0.0 if tries == 1 else min(self.sc.backoff_s * 2 ** (tries - 2), self.sc.backoff_max_s)
             restarts += 1
             self.events.write(RESTART, step=step, reason=reason, attempt=number + 1, backoff_s=delay)
             interim_ledger = True
