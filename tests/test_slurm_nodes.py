@@ -20,28 +20,14 @@ from slurm_cluster import (
     node_states,
     nodes,
     restore_node,
-    slurm_available,
     wait_for,
     wait_node_state,
 )
 from slurm_cluster import local_slurm as _local_slurm
+from test_slurm_job import _require_slurm
 
 LOCAL = "/local_scratch"
 SLURMD_TIMEOUT, MESSAGE_TIMEOUT = 5, 3  # SLURM notices a lost node after about SlurmdTimeout + 2 x MessageTimeout
-
-
-def _require_slurm() -> None:
-    reason = (
-        "SLURM binaries not installed (run .ci/install-slurm.sh)"
-        if not slurm_available()
-        else "a private SLURM cluster needs root (slurmd)"
-        if os.geteuid() != 0
-        else ""
-    )
-    if reason and os.environ.get("CI"):
-        pytest.fail(f"CI is set but {reason}")
-    if reason:
-        pytest.skip(reason)
 
 
 def local_slurm(tmp_path, mode: str = "auto"):
