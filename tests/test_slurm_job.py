@@ -106,7 +106,11 @@ def test_sbatch_job_survives_a_killed_task_and_a_preemption(tmp_path, tmp_path_f
     evs = events(run)
     exits = [e for e in evs if e["event"] == "worker_exit"]
     host = exits[0]["first_task_error"][0]
-    assert exits[0]["first_task_error"] == [host, -signal.SIGKILL] and exits[0]["signal"] == "SIGKILL"
+    # srun lists task failures in the order it hears them: usually the SIGKILLed task first, but the survivor
+    # (process 0, hosting jax's coordination service) may abort on the lost peer before slurmstepd reports the
+    # kill (seen once in a fresh-clone CI run: [vm, -6] first). Either way the killed task is reported.
+    reported = exits[0].get("task_errors", [exits[0]["first_task_error"]])
+    assert [host, -signal.SIGKILL] in reported and exits[0]["signal"] in ("SIGKILL", "SIGABRT"), exits[0]
     starts = [e for e in evs if e["event"] == "worker_start"]
     # The killed task's node is suspect; with no spare in a one-node allocation the step reuses it.
     assert starts[1]["suspect_nodes"] == [host] and starts[1]["nodes"] == [host] and starts[1]["processes"] == 2
