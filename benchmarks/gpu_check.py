@@ -327,40 +327,15 @@ def check(work: Path, *, smoke: bool, budget_s: float) -> dict:
     )
     bw = json.loads(out_bw.read_text())
     result: dict = {"measured": not smoke, "device": bw["device"], "platform": bw["platform"], "copy": bw}
+
+    def model(name: str, retry: list[str]):
+        return lambda: _run_model(name, runs[name], work, cache, bw["bytes_per_s"], env=env, retry=retry, budget=budget)
+
     # The 1B MFU is the headline: it runs first, so a slow start cannot push it past the budget.
     parts = [
-        (
-            "gpt-1b",
-            lambda: _run_model(
-                "gpt-1b",
-                runs["gpt-1b"],
-                work,
-                cache,
-                bw["bytes_per_s"],
-                env=env,
-                retry=["model.remat=save_dots"],
-                budget=budget,
-            ),
-        ),
-        (
-            "llama-1b",
-            lambda: _run_model(
-                "llama-1b",
-                runs["llama-1b"],
-                work,
-                cache,
-                bw["bytes_per_s"],
-                env=env,
-                retry=["model.remat=save_dots"],
-                budget=budget,
-            ),
-        ),
-        (
-            "gpt2-124m",
-            lambda: _run_model(
-                "gpt2-124m", runs["gpt2-124m"], work, cache, bw["bytes_per_s"], env=env, retry=[], budget=budget
-            ),
-        ),
+        ("gpt-1b", model("gpt-1b", retry=["model.remat=save_dots"])),
+        ("llama-1b", model("llama-1b", retry=["model.remat=save_dots"])),
+        ("gpt2-124m", model("gpt2-124m", retry=[])),
         ("bitwise_resume", lambda: _bitwise(runs["gpt2-124m"], work, cache, env, smoke, budget)),
         ("inspect_1b", lambda: _inspect(runs["gpt-1b"], work, env, smoke, budget)),
         ("fsdp_vs_data", lambda: _fsdp_vs_data(runs["gpt2-124m"], work, cache, env, bw["devices"], smoke, budget)),
