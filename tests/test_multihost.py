@@ -298,6 +298,12 @@ def test_node_blame_names_the_node_that_died_not_its_survivors():
     # A task crashed on n2; its peer on n1 then lost its connection (exit PEER_LOST): n2 is the one.
     g = _srun_output("srun: error: n2: task 1: Killed", "srun: error: n1: task 0: Exited with exit code 82")
     assert g.failed_node() == "n2" and g.blame() == [("n2", "its task failed first (signal SIGKILL)")]
+    # The coordinator's process aborted on its lost peer before the killed task was reported (seen in CI):
+    # the abort may be a consequence, so it does not end the step at once, and the kill is the cause.
+    g = _srun_output("srun: error: n1: task 0: Aborted (core dumped)")
+    assert not g._should_end() and g.failed_node() == "n1"  # alone, once srun has ended, the abort is blamed
+    g._watch("srun: error: n2: task 1: Killed\n")
+    assert g.failed_node() == "n2" and g.blame()[0][0] == "n2" and g.poll() == -signal.SIGKILL
     # A lost node's task is never reported: the survivor's PEER_LOST comes first, and n2 said nothing.
     g = _srun_output(f"srun: error: n1: task 0: Exited with exit code {exit_codes.PEER_LOST}")
     assert g.failed_node() is None and [n for n, _ in g.blame()] == ["n2"] and "vanished" in g.blame()[0][1]

@@ -198,6 +198,11 @@ _SIGNALS = {
 # step is torn down: a task that really died is reported before its peers' PEER_LOST (they wait
 # trainer.__main__.PEER_DEATH_GRACE_S first); a lost node's task is never reported at all.
 PEER_REPORT_GRACE_S = 2.0
+# Reports that may be a consequence rather than a cause: a survivor's lost peer, and SIGABRT, which is how the
+# process hosting jax's coordination service can end when a peer vanishes (a C++ fatal error our handler never
+# sees). After one, the other tasks' reports get PEER_REPORT_GRACE_S before the step is torn down; the first
+# report of any other kind is the cause (seen in CI: the survivor's abort came before the SIGKILLed task's).
+_CONSEQUENCES = (exit_codes.PEER_LOST, -signal.SIGABRT)
 # How long srun may wait for a step it cannot create before the attempt is ended and planned again.
 STEP_START_GRACE_S = 15.0
 
@@ -239,7 +244,7 @@ class SrunGroup(Group):
             self.node_failures.append(m.group(1))
         elif (m := _TASK_ERROR.search(line)) and (code := task_error_code(m.group(2))) is not None:
             self.errors.append((m.group(1), code))
-            if code == exit_codes.PEER_LOST and not self._peer_lost_t:
+            if code in _CONSEQUENCES and not self._peer_lost_t:
                 self._peer_lost_t = time.monotonic()
         elif _STEP_BLOCKED.search(line) and not self.blocked:
             self.blocked, self._blocked_t = line, time.monotonic()
@@ -249,7 +254,7 @@ class SrunGroup(Group):
     def _should_end(self) -> bool:
         now = time.monotonic()
         return bool(
-            self.failed_node()
+            self._cause()
             or (self._peer_lost_t and now - self._peer_lost_t > PEER_REPORT_GRACE_S)
             or (self._blocked_t and now - self._blocked_t > STEP_START_GRACE_S)
         )
@@ -265,8 +270,8 @@ class SrunGroup(Group):
                 self.send_signal(signal.SIGKILL)
             return None
         # srun reports the worst task code, which is often a peer SLURM killed; the first error is the cause.
-        causes = [c for _, c in self.errors if c != exit_codes.PEER_LOST]
-        self.returncode = causes[0] if causes else self.errors[0][1] if self.errors else code
+        ranked = sorted(self.errors, key=lambda e: (e[1] == exit_codes.PEER_LOST, e[1] in _CONSEQUENCES))
+        self.returncode = ranked[0][1] if ranked else code
         return self.returncode
 
     def _step_id(self) -> str:
@@ -303,9 +308,13 @@ class SrunGroup(Group):
     def failed_node(self) -> str | None:
         """A node SLURM reported failed; else the node whose task died first, unless it left on purpose
         (preempted, spike, ...) or because its peer went away (PEER_LOST: a survivor)."""
+        return self._cause() or next((n for n, c in self.errors if c == -signal.SIGABRT), None)
+
+    def _cause(self) -> str | None:
+        """A node failure, or the first task that died neither on purpose nor as a consequence."""
         if self.node_failures:
             return self.node_failures[0]
-        return next((n for n, c in self.errors if c not in (*CONTROLLED, exit_codes.PEER_LOST)), None)
+        return next((n for n, c in self.errors if c not in (*CONTROLLED, *_CONSEQUENCES)), None)
 
     def blame(self) -> list[tuple[str, str]]:
         """(node, why) for each node this attempt's failure points at: the node whose task died first; or,
