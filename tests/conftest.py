@@ -65,7 +65,12 @@ def trainer_cmd(run_dir: Path, *overrides: str, worker: bool = False, config: st
 
 
 def run_trainer(
-    run_dir: Path, *overrides: str, worker: bool = False, timeout: float = 600, check: bool = True
+    run_dir: Path,
+    *overrides: str,
+    worker: bool = False,
+    timeout: float = 600,
+    check: bool = True,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         trainer_cmd(run_dir, *overrides, worker=worker),
@@ -73,7 +78,7 @@ def run_trainer(
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=child_env(),
+        env=dict(child_env(), **(env or {})),
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"trainer exited {proc.returncode}:\n{proc.stderr[-3000:]}")

@@ -43,8 +43,8 @@ def _largest(directory: Path) -> Path:
     return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
 
 
-def _flip(step_dir: Path) -> str:
-    f = _largest(step_dir / "state")
+def _flip(step_dir: Path, item: str = "state") -> str:
+    f = _largest(step_dir / item)
     b = bytearray(f.read_bytes())
     for i in range(len(b) // 2, len(b) // 2 + 8):  # a few bytes in the middle: Orbax still reads the file
         b[i] ^= 0x5A
@@ -330,6 +330,39 @@ def test_two_processes_agree_on_a_bad_shard_and_on_the_newest_local_step_they_al
     assert (rejected["step"], rejected["process"]) == (20, 1) and "ocdbt.process_1" in rejected["file"], rejected
     assert [(e["step"], e["tier"]) for e in _of(run, "restore")] == [(12, "local")]
     assert summary(run)["params_sha256"] == summary(ref)["params_sha256"]
+
+
+@pytest.mark.slow
+def test_a_lost_nodes_shards_come_from_the_copy_its_buddy_holds_never_from_a_partial_step(tmp_path_factory):
+    """Two processes standing for two nodes (TRAINER_NODE_NAME, each its own local folder through {node}):
+    every local save also leaves each process's shards with the other. Node fake1 is then lost (its local
+    folder gone) and the copy of its shards at the newest local step is corrupt: that step cannot be
+    assembled, so the restore takes the previous one, process 1's shards moved over from process 0's copy."""
+    from multihost import TWO, group_overrides, reference
+
+    ref, corpus = reference(tmp_path_factory)
+    run, local = tmp_path_factory.mktemp("buddy") / "run", tmp_path_factory.mktemp("local")
+    over = group_overrides(corpus, *TWO, f"checkpoint.local_dir={local}/{{node}}", "checkpoint.local_every_steps=4")
+    nodes = {"TRAINER_NODE_NAME": "fake{process}"}
+    run_trainer(run, *over, "train.stop_at_step=20", env=nodes)  # durable 10, 20; local 8, 12, 16 (keep 3)
+    roots = [checkpoint_files.local_root(f"{local}/{{node}}", run, f"fake{i}") / f"process_{i}" for i in (0, 1)]
+    assert all(sorted(int(p.name) for p in r.glob("[0-9]*")) == [8, 12, 16] for r in roots)
+    shutil.rmtree(run / "checkpoints" / "20")  # the newest durable one is gone too: the local tier must serve
+    shutil.rmtree(local / "fake1")  # the node is lost whole
+    _flip(roots[0] / "16", "buddy")  # ... and the copy its buddy holds of step 16 is corrupt
+    run_trainer(run, *over, env=nodes)
+    rejected = _of(run, "checkpoint_rejected")
+    assert [(e["step"], e["tier"], e["process"]) for e in rejected] == [(16, "local", 0)], rejected
+    assert rejected[0]["file"].startswith("process_0/"), rejected
+    (restore,) = _of(run, "restore")
+    assert (restore["step"], restore["tier"]) == (12, "local"), restore
+    assert restore["sources"] == {
+        "0": {"process": 0, "node": "fake0", "copy": "state"},
+        "1": {"process": 0, "node": "fake0", "copy": "buddy"},
+    }, restore
+    assert summary(run)["params_sha256"] == summary(ref)["params_sha256"]
+    losses, ref_losses = step_losses(run), step_losses(ref)
+    assert all(set(v) == {ref_losses[k][0]} for k, v in losses.items())
 
 
 # --- kills inside async saves ---------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from orbax.checkpoint import checkpoint_managers as cm
 
 from trainer.config import CheckpointConfig
 from trainer.observe import checkpoint_files, manifest
-from trainer.observe.checkpoint_files import DURABLE, ITEMS, LOCAL
+from trainer.observe.checkpoint_files import BUDDY, DURABLE, ITEMS, LOCAL
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
@@ -43,6 +43,7 @@ class Restored:
     data_state: dict
     meta: dict
     tier: str
+    sources: dict | None = None  # a local restore: for each process, which process (node) gave its shards
 
 
 def _preservation(keep: int, keep_every: int, pinned: Callable[[list[int]], set[int]]):
@@ -79,10 +80,12 @@ def _local_handlers(mp: ocp.options.MultiprocessingOptions) -> dict:
     registry = ocp.type_handlers.create_type_handler_registry(
         (jax.Array, ocp.type_handlers.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False))
     )
+    tree = lambda: ocp.PyTreeCheckpointHandler(  # noqa: E731
+        use_compression=False, multiprocessing_options=mp, type_handler_registry=registry
+    )
     return {
-        "state": ocp.PyTreeCheckpointHandler(
-            use_compression=False, multiprocessing_options=mp, type_handler_registry=registry
-        ),
+        "state": tree(),
+        BUDDY: tree(),  # another process's shards, held for it (trainer.core.buddy)
         "data": ocp.JsonCheckpointHandler(multiprocessing_options=mp),
         "meta": ocp.JsonCheckpointHandler(multiprocessing_options=mp),
     }
@@ -188,8 +191,9 @@ class Checkpointer:
     def step_dir(self, step: int) -> Path:
         return self.directory / str(step)
 
-    def save(self, step: int, state: Any, data_state: dict, meta: dict) -> float:
-        """Start a save; returns the seconds it blocked the caller (the device-to-host copy)."""
+    def save(self, step: int, state: Any, data_state: dict, meta: dict, *, held: Any = None) -> float:
+        """Start a save; returns the seconds it blocked the caller (the device-to-host copy). `held`: another
+        process's shards this process keeps a copy of (local tier; trainer.core.buddy)."""
         self._join_sealer()
         if self.failure:
             raise SaveFailed(self.failure)
@@ -198,8 +202,12 @@ class Checkpointer:
         # interval) would charge the step's own compute to the save: 0.4-0.6 s of a 0.5 s step on CPU.
         jax.block_until_ready(state)
         t0 = time.perf_counter()
+        extra = {}
         if self.tier == LOCAL:
             state_arg = ocp.args.PyTreeSave(state)
+            if held is not None:
+                jax.block_until_ready(held)
+                extra[BUDDY] = ocp.args.PyTreeSave(held)
         else:
             state_arg = ocp.args.StandardSave(state)
         try:
@@ -208,6 +216,7 @@ class Checkpointer:
                 force=True,
                 args=ocp.args.Composite(
                     state=state_arg,
+                    **extra,
                     # The data cursor is identical on every process (it is the step), so one JSON written by
                     # the primary suffices and stays valid when the process count changes (elastic resume).
                     data=ocp.args.JsonSave(data_state),
@@ -254,17 +263,18 @@ class Checkpointer:
             f"then rerun the same command to resume."
         )
 
-    def restore(self, step: int, abstract_state: Any) -> Restored:
+    def restore(self, step: int, abstract_state: Any, *, item: str = "state") -> Restored:
+        """The step's state (or, local tier, `item` BUDDY: the copy held for another process), data cursor and
+        metadata; the arrays land with `abstract_state`'s shardings."""
         if self.tier == LOCAL:
             state_arg = ocp.args.PyTreeRestore(
                 abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state)
             )
         else:
             state_arg = ocp.args.StandardRestore(abstract_state)
-        out = self.manager.restore(
-            step, args=ocp.args.Composite(state=state_arg, data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore())
-        )
-        return Restored(step, out["state"], out["data"], out["meta"], self.tier)
+        args = {item: state_arg, "data": ocp.args.JsonRestore(), "meta": ocp.args.JsonRestore()}
+        out = self.manager.restore(step, args=ocp.args.Composite(**args))
+        return Restored(step, out[item], out["data"], out["meta"], self.tier)
 
     def read_meta(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]

@@ -132,7 +132,8 @@ def _restore_or_init(w: Worker):
         if w.init_from:
             w.events.write(INIT_FROM, step=0, **w.init_from)
         return st, 0, None
-    w.events.write(RESTORE, step=restored.step, tier=restored.tier, seconds=time.perf_counter() - t0)
+    where = {"sources": restored.sources} if restored.sources else {}
+    w.events.write(RESTORE, step=restored.step, tier=restored.tier, seconds=time.perf_counter() - t0, **where)
     assert int(restored.data_state["next_index"]) == restored.step, "data cursor and step disagree"
     return restored.state, restored.step, restored.tier
 

@@ -1,6 +1,8 @@
 """Checkpoint tiers: the durable one (`RUN_DIR/checkpoints`, shared, `checkpoint.every_*`) and an optional
-node-local one (`checkpoint.local_*`: each process its own directory, uncompressed, full state), and the
-restore that picks the newest checkpoint every process holds and can verify, across both.
+node-local one (`checkpoint.local_*`: each process its own directory, uncompressed, full state, plus the
+copy it holds for a process on another node: trainer.core.buddy), and the restore that picks the newest
+checkpoint the group can assemble and verify, across both: a local one may come from each process's own
+copy or, for a process whose node was lost, from the copy its buddy holds.
 
 Every verdict is agreed before anything moves: each process checks its share, the results are gathered,
 and all processes reject (move aside) or use a checkpoint together, so a bad file seen by one process
@@ -17,10 +19,11 @@ from typing import Any
 import jax
 
 from trainer.config import CheckpointConfig
+from trainer.core import buddy
 from trainer.core.checkpoint import Checkpointer, Restored, SaveFailed
 from trainer.core.distributed import allgather_json
 from trainer.observe import checkpoint_files, manifest
-from trainer.observe.checkpoint_files import DURABLE, LOCAL
+from trainer.observe.checkpoint_files import BUDDY, DURABLE, LOCAL
 from trainer.observe.event_names import CHECKPOINT_FAILED, CHECKPOINT_REJECTED
 
 
@@ -29,11 +32,13 @@ def saved_meta(run_dir: Path, cfg: CheckpointConfig) -> dict | None:
     checked against before anything is written. A torn one is skipped here; the restore rejects it."""
     dirs = [checkpoint_files.durable_dir(run_dir)]
     if cfg.local_dir:
-        dirs.append(checkpoint_files.local_dir(cfg.local_dir, run_dir, jax.process_index()))
+        dirs.append(checkpoint_files.local_dir(cfg.local_dir, run_dir, jax.process_index(), buddy.node_name()))
     found: list[tuple[int, Checkpointer]] = []
-    for d, tier in zip(dirs, (DURABLE, LOCAL)):
+    for d in dirs:
         if d.is_dir():
-            reader = Checkpointer(d, cfg, tier=tier, read_only=True)
+            # Read as this process alone (a durable reader's restore is a barrier of all processes, and
+            # processes may find their newest metadata in different tiers: a replaced node has no local one).
+            reader = Checkpointer(d, cfg, tier=LOCAL, read_only=True)
             found += [(s, reader) for s in reader.steps()]
     for step, reader in sorted(found, key=lambda f: f[0], reverse=True):
         try:
@@ -62,10 +67,15 @@ class Tiers:
             checkpoint_files.durable_dir(self.run_dir), cfg, pinned=pinned, commit_delay=commit_delay
         )
         self.local: Checkpointer | None = None
+        self.pairing: buddy.Pairing | None = None  # who holds whose local copy; None: no copies (one node)
+        self._readers: dict[str, Checkpointer] = {}  # local folders on this node, by name, read-only
+        self.node = buddy.node_name()
         if cfg.local_dir:
             self.local = Checkpointer(
-                checkpoint_files.local_dir(cfg.local_dir, run_dir, jax.process_index()), cfg, tier=LOCAL
+                checkpoint_files.local_dir(cfg.local_dir, run_dir, jax.process_index(), self.node), cfg, tier=LOCAL
             )
+            if jax.process_count() > 1:
+                self.pairing = buddy.pair(buddy.nodes_of_processes())
         # The runbook's rewind targets, oldest first: a local checkpoint saved before the i-th rewind and past
         # its target belongs to an abandoned history (the supervisor cannot reach node-local disks to move it).
         self.rewinds = rewinds
@@ -73,20 +83,33 @@ class Tiers:
     # --- saving ---------------------------------------------------------------------------------------
     @property
     def has_local(self) -> bool:
-        """A local tier is configured and has not failed in this attempt."""
-        return self.local is not None
+        """A local tier is configured and has not failed in this attempt. With copies exchanged, every process
+        takes part in every local save (the transfer is a collective), even one whose own writes failed."""
+        return self.local is not None or self.pairing is not None
 
     def save(self, step: int, state: Any, data_state: dict, meta: dict, *, tier: str) -> float | None:
         """Start an async save into one tier; blocking seconds. A durable failure raises SaveFailed; a local
-        one (None) turns the local tier off for this attempt (the durable tier still protects the run)."""
+        one (None) turns the local tier off for this attempt (the durable tier still protects the run).
+        A local save first sends every process's shards to its buddy: the blocking seconds include it."""
         meta = dict(meta, lineage=len(self.rewinds))
         if tier == DURABLE:
             return self.durable.save(step, state, data_state, meta)
+        held = None
+        if self.pairing is not None:
+            jax.block_until_ready(state)  # the step in flight is not the transfer's cost
+            t0 = time.perf_counter()
+            held = buddy.send(state, self.pairing)
+            if self.local is None:
+                return None
+            meta = dict(meta, holds=self.pairing.held, node=self.node)
+        if self.local is None:
+            return None
         try:
-            return self.local.save(step, state, data_state, meta)
+            blocking = self.local.save(step, state, data_state, dict(meta, process=jax.process_index()), held=held)
         except SaveFailed:
             self._local_failed()
             return None
+        return blocking if held is None else time.perf_counter() - t0
 
     def failure(self) -> str | None:
         """A durable save that could not be written (checked every step; a local one is handled here)."""
@@ -105,44 +128,126 @@ class Tiers:
 
     # --- restoring ------------------------------------------------------------------------------------
     def restore_newest(self, abstract_state: Any, *, layout: dict) -> Restored | None:
-        """The newest checkpoint that every process holds and verifies, across both tiers (at one step the
-        local copy wins: it reads fastest). Bad ones are rejected with an event and moved aside."""
+        """The newest checkpoint the group can assemble and verify, across both tiers (at one step the local
+        copy wins: it reads fastest). Bad copies are rejected with an event and moved aside, and the choice
+        is made again (another copy of the same step may still serve)."""
         while (cand := self._newest(layout)) is not None:
-            step, tier = cand
-            ck = self.local if tier == LOCAL else self.durable
-            problem = self._agreed(lambda ck=ck, step=step: ck.verify(step) if self.cfg.verify else None)
-            restored = None
-            if problem is None:
-                restored, problem = self._restore(ck, step, abstract_state)
+            step, tier, plan = cand
+            if tier == LOCAL:
+                restored, problem = self._restore_local(step, plan, abstract_state)
+            else:
+                check = lambda step=step: self.durable.verify(step) if self.cfg.verify else None  # noqa: E731
+                problem = self._agreed(check)
+                restored = None
+                if problem is None:
+                    restored, problem = self._restore(self.durable, step, abstract_state)
             if problem is None:
                 return restored
             self.log(CHECKPOINT_REJECTED, step=step, tier=tier, **problem)
-            self._move_aside(ck, step)
+            self._move_aside(tier, step, problem)
         return None
 
-    def _newest(self, layout: dict) -> tuple[int, str] | None:
-        views = allgather_json({DURABLE: self.durable.steps(), LOCAL: self._usable_local(layout)})
-        common = lambda tier: set.intersection(*(set(v[tier]) for v in views))  # noqa: E731
-        cands = [(s, LOCAL) for s in common(LOCAL)] + [(s, DURABLE) for s in common(DURABLE)]
+    def _newest(self, layout: dict) -> tuple[int, str, dict] | None:
+        """(step, tier, plan): plan[target process] = where its shards come from, for a local step."""
+        views = allgather_json({DURABLE: self.durable.steps(), LOCAL: self._holdings(layout), "node": self.node})
+        durable = set.intersection(*(set(v[DURABLE]) for v in views))
+        cands = [(s, DURABLE, {}) for s in durable]
+        for step in {h["step"] for v in views for h in v[LOCAL]}:
+            plan = {}
+            for t in range(len(views)):
+                claims = [(p, h) for p, v in enumerate(views) for h in v[LOCAL] if (h["step"], h["of"]) == (step, t)]
+                if not claims:
+                    break
+                # Its own process first (no transfer), then its own copy over a held one, then the lowest index.
+                p, h = min(claims, key=lambda c: (c[0] != t, c[1]["item"] != "state", c[0]))
+                plan[t] = dict(h, holder=p, node=views[p]["node"])
+            else:
+                cands.append((step, LOCAL, plan))
         return max(cands, key=lambda c: (c[0], c[1] == LOCAL), default=None)
 
-    def _usable_local(self, layout: dict) -> list[int]:
-        """Local steps this process could restore: same mesh and process count (a local checkpoint holds
-        this process's shards only) and not from a history the runbook rewound away from. A step whose
-        metadata does not read stays a candidate: verification rejects it with an event."""
-        if not self.local:
+    def _holdings(self, layout: dict) -> list[dict]:
+        """The local copies on this node this process could restore from: each {step, of (the process whose
+        shards they are), folder, item}. Only the same mesh and process count (a local copy holds one
+        process's shards) and not from a history the runbook rewound away from. A copy whose metadata does
+        not read stays a candidate under its folder's process: verification rejects it with an event."""
+        if not self.cfg.local_dir:
             return []
         out = []
-        for step in self.local.steps():
-            try:
-                meta = self.local.read_meta(step)
-            except Exception:
-                out.append(step)
-                continue
-            stale = any(to < step for to in self.rewinds[int(meta.get("lineage", 0)) :])
-            if not stale and meta.get("processes") == layout["processes"] and meta.get("mesh") == layout["mesh"]:
-                out.append(step)
+        for folder in checkpoint_files.local_dirs(self.cfg.local_dir, self.run_dir, self.node):
+            owner = int(folder.name.rsplit("_", 1)[1])
+            reader = self._reader(folder.name)
+            for step in reader.steps():
+                try:
+                    meta = reader.read_meta(step)
+                except Exception:
+                    out.append(dict(step=step, of=owner, folder=folder.name, item="state"))
+                    continue
+                stale = any(to < step for to in self.rewinds[int(meta.get("lineage", 0)) :])
+                if stale or meta.get("processes") != layout["processes"] or meta.get("mesh") != layout["mesh"]:
+                    continue
+                out.append(dict(step=step, of=owner, folder=folder.name, item="state"))
+                if meta.get("holds") is not None and (reader.step_dir(step) / BUDDY).is_dir():
+                    out.append(dict(step=step, of=int(meta["holds"]), folder=folder.name, item=BUDDY))
         return out
+
+    def _reader(self, folder: str) -> Checkpointer:
+        if folder not in self._readers:
+            root = checkpoint_files.local_root(self.cfg.local_dir, self.run_dir, self.node)
+            self._readers[folder] = Checkpointer(root / folder, self.cfg, tier=LOCAL, read_only=True)
+        return self._readers[folder]
+
+    def _restore_local(self, step: int, plan: dict, abstract: Any) -> tuple[Restored | None, dict | None]:
+        """Every process reads what the plan gives it (its own shards, or another's onto its devices standing
+        in for that process), the group agrees that every read worked, then the shards of processes that had
+        none move to them over a collective permute (trainer.core.buddy)."""
+        me, n = jax.process_index(), len(plan)
+        mine = {e["folder"] for e in plan.values() if e["holder"] == me}
+        # Each copy is verified by the process that will read it (a problem's file starts with its folder).
+        problem = self._agreed(lambda: self._verify_local(step, sorted(mine)))
+        if problem is not None:
+            return None, problem
+        transfers = list(buddy.rounds({t: e["holder"] for t, e in plan.items()}))
+        got: dict[str, Any] = {}
+
+        def read(target: int, stand_in: dict[int, int] | None) -> Any:
+            e = plan[target]
+            like = abstract if stand_in is None else buddy.abstract_as(abstract, stand_in)
+            got["reading"] = e["folder"]
+            r = self._reader(e["folder"]).restore(step, like, item=e["item"])
+            got.setdefault("json", (r.data_state, r.meta))
+            return r.state
+
+        def load() -> None:
+            if plan[me]["holder"] == me:
+                got["own"] = read(me, None)
+            for i, batch in enumerate(transfers):
+                give = next((t for t, h in batch.items() if h == me), None)
+                if give is not None:
+                    got[f"give{i}"] = read(give, buddy.complete(batch, n))
+
+        def check() -> manifest.Problem | None:
+            p = _unreadable(load)
+            return p and manifest.Problem(f"{got.get('reading', '')}/", p.reason)
+
+        problem = self._agreed(check)
+        if problem is not None:
+            return None, problem
+        for i, batch in enumerate(transfers):
+            stand_in = buddy.complete(batch, n)
+            moved = buddy.move(got.pop(f"give{i}", None), stand_in, abstract)
+            if me in batch:
+                got["own"] = moved
+        data_state, meta = next(j for j in allgather_json(got.get("json")) if j is not None)
+        sources = {str(t): {"process": e["holder"], "node": e["node"], "copy": e["item"]} for t, e in plan.items()}
+        return Restored(step, got["own"], data_state, meta, LOCAL, sources=sources), None
+
+    def _verify_local(self, step: int, folders: list[str]) -> manifest.Problem | None:
+        if not self.cfg.verify:
+            return None
+        for folder in folders:
+            if (p := manifest.verify(self._reader(folder).step_dir(step))) is not None:
+                return manifest.Problem(f"{folder}/{p.file}", p.reason)
+        return None
 
     def _agreed(self, check: Callable[[], manifest.Problem | None]) -> dict | None:
         """Run a check on every process; the first problem any process found, or None: the same on all."""
@@ -158,30 +263,33 @@ class Tiers:
 
     def _restore(self, ck: Checkpointer, step: int, abstract_state: Any) -> tuple[Restored | None, dict | None]:
         restored: list[Restored] = []
-
-        def load() -> None:
-            restored.append(manifest.retrying(lambda: ck.restore(step, abstract_state)))
-
-        def check() -> manifest.Problem | None:
-            try:
-                load()
-            except Exception as e:  # unreadable: torn, corrupt, or written by something else
-                return manifest.Problem("", f"unreadable: {e!r}"[:300])
-            return None
-
-        problem = self._agreed(check)
+        problem = self._agreed(lambda: _unreadable(lambda: restored.append(ck.restore(step, abstract_state))))
         return (restored[0] if problem is None else None), problem
 
-    def _move_aside(self, ck: Checkpointer, step: int) -> None:
-        """Durable: process 0 moves the shared directory; local: each process its own copy. Then everyone
-        waits for everyone and re-reads its listing."""
+    def _move_aside(self, tier: str, step: int, problem: dict) -> None:
+        """Durable: process 0 moves the shared directory; local: the process that found the problem moves the
+        copy it read (the other copies of the step may still serve). Then everyone waits for everyone and
+        re-reads its listing."""
         stamp = int(time.time())
-        if ck.tier == LOCAL:
-            ck.move_aside(step, checkpoint_files.local_rejected_path(ck.directory, step, stamp))
+        if tier == LOCAL:
+            if problem["process"] == jax.process_index():
+                reader = self._reader(problem["file"].split("/", 1)[0])
+                reader.move_aside(step, checkpoint_files.local_rejected_path(reader.directory, step, stamp))
         elif jax.process_index() == 0:
-            ck.move_aside(step, checkpoint_files.rejected_path(self.run_dir, step, stamp))
+            self.durable.move_aside(step, checkpoint_files.rejected_path(self.run_dir, step, stamp))
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            multihost_utils.sync_global_devices(f"reject-{ck.tier}-{step}")
-        ck.reload()
+            multihost_utils.sync_global_devices(f"reject-{tier}-{step}")
+        for ck in (self.durable, self.local, *self._readers.values()):
+            if ck is not None:
+                ck.reload()
+
+
+def _unreadable(load: Callable[[], None]) -> manifest.Problem | None:
+    """A read that failed (retrying what may be transient) as a verdict against the checkpoint."""
+    try:
+        manifest.retrying(load)
+    except Exception as e:  # unreadable: torn, corrupt, or written by something else
+        return manifest.Problem("", f"unreadable: {e!r}"[:300])
+    return None

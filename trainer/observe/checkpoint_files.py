@@ -10,6 +10,7 @@ is in it (trainer.observe.manifest).
 
 from __future__ import annotations
 
+import glob
 import hashlib
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from trainer.observe import manifest
 
 DURABLE, LOCAL = "durable", "local"  # the tiers: shared storage (all processes, one checkpoint), node-local
 ITEMS = ("state", "data", "meta")  # Orbax items of a step: train state, data cursor, metadata (JSON)
+BUDDY = "buddy"  # a local step's extra item: the shards of another process (on another node), held for it
 CHECKPOINTS = "checkpoints"  # RUN_DIR/checkpoints: the durable tier
 REJECTED = "rejected_checkpoints"  # RUN_DIR/...: checkpoints that failed verification or loading, for a post-mortem
 REWOUND = "rewound"  # RUN_DIR/...: checkpoints the spike runbook rewound away from
@@ -27,22 +29,31 @@ def durable_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / CHECKPOINTS
 
 
-def local_root(local_dir: str, run_dir: str | Path) -> Path:
-    """This run's part of a node-local checkpoint directory (checkpoint.local_dir): runs sharing one RAM disk
-    never see each other's checkpoints. Each process keeps its own `process_<i>/` below it."""
+NODE = "{node}"  # in checkpoint.local_dir: the node's name (for nodes that share one file system, and tests)
+
+
+def local_root(local_dir: str, run_dir: str | Path, node: str = "") -> Path:
+    """This run's part of a node-local checkpoint directory (checkpoint.local_dir, with {node} replaced by
+    `node`): runs sharing one RAM disk never see each other's checkpoints. Each process keeps its own
+    `process_<i>/` below it."""
     run = Path(run_dir).resolve()
-    return Path(local_dir).expanduser() / f"{run.name}-{hashlib.sha256(str(run).encode()).hexdigest()[:8]}"
+    base = Path(local_dir.replace(NODE, node)).expanduser()
+    return base / f"{run.name}-{hashlib.sha256(str(run).encode()).hexdigest()[:8]}"
 
 
-def local_dir(local_dir: str, run_dir: str | Path, process: int) -> Path:
+def local_dir(local_dir: str, run_dir: str | Path, process: int, node: str = "") -> Path:
     """One process's local tier."""
-    return local_root(local_dir, run_dir) / f"process_{process}"
+    return local_root(local_dir, run_dir, node) / f"process_{process}"
 
 
-def local_dirs(local_dir: str, run_dir: str | Path) -> list[Path]:
-    """Every process's local tier on this machine (other nodes' are theirs to list)."""
-    root = local_root(local_dir, run_dir)
-    return sorted(p for p in root.glob("process_*") if p.is_dir())
+def local_dirs(local_dir: str, run_dir: str | Path, node: str | None = None) -> list[Path]:
+    """Every process folder of the local tier on this machine (other nodes' are theirs to list); with
+    {node} in local_dir and no `node`, those of every node whose folder this machine sees."""
+    if node is None and NODE in local_dir:
+        roots = [Path(r) for r in glob.glob(str(local_root(local_dir, run_dir, "*")))]
+    else:
+        roots = [local_root(local_dir, run_dir, node or "")]
+    return sorted(p for root in roots for p in root.glob("process_*") if p.is_dir())
 
 
 def committed_steps(directory: str | Path) -> list[int]:

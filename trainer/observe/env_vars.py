@@ -10,6 +10,9 @@ NUM_PROCESSES = "TRAINER_NUM_PROCESSES"
 PROCESS_ID = "TRAINER_PROCESS_ID"
 COORDINATOR = "TRAINER_COORDINATOR"  # host:port of process 0
 COORDINATOR_PORT = "TRAINER_COORDINATOR_PORT"  # under SLURM: the port; the host is the step's first node
+# The node a worker says it is on (fast-tier copies go to another node): tests on one machine give each
+# process its own ("fake{process}"); unset, SLURM's node name or the host name.
+NODE_NAME = "TRAINER_NODE_NAME"
 PYTHONUNBUFFERED = "PYTHONUNBUFFERED"  # worker output reaches the supervisor line by line
 
 # --- set for the libraries ---------------------------------------------------------------------------------
@@ -25,6 +28,7 @@ SLURM_STEP_NODELIST = "SLURM_STEP_NODELIST"
 SLURM_STEP_NUM_TASKS = "SLURM_STEP_NUM_TASKS"
 SLURM_NTASKS = "SLURM_NTASKS"
 SLURM_PROCID = "SLURM_PROCID"
+SLURMD_NODENAME = "SLURMD_NODENAME"  # the node a task runs on
 
 # --- read: tiktoken's cache folders ------------------------------------------------------------------------
 TIKTOKEN_CACHE_DIR = "TIKTOKEN_CACHE_DIR"

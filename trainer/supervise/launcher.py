@@ -198,10 +198,8 @@ _SIGNALS = {
 # step is torn down: a task that really died is reported before its peers' PEER_LOST (they wait
 # trainer.__main__.PEER_DEATH_GRACE_S first); a lost node's task is never reported at all.
 PEER_REPORT_GRACE_S = 2.0
-# Reports that may be a consequence rather than a cause: a survivor's lost peer, and SIGABRT, which is how the
-# process hosting jax's coordination service can end when a peer vanishes (a C++ fatal error our handler never
-# sees). After one, the other tasks' reports get PEER_REPORT_GRACE_S before the step is torn down; the first
-# report of any other kind is the cause (seen in CI: the survivor's abort came before the SIGKILLed task's).
+# Reports that may be consequences, not causes: a survivor's lost peer, and SIGABRT (jax's coordination client
+# aborts when a peer vanishes). The other reports get PEER_REPORT_GRACE_S; any other kind is the cause.
 _CONSEQUENCES = (exit_codes.PEER_LOST, -signal.SIGABRT)
 # How long srun may wait for a step it cannot create before the attempt is ended and planned again.
 STEP_START_GRACE_S = 15.0
