@@ -3,7 +3,9 @@ three-node SLURM cluster (tests/slurm_cluster.py), two nodes training one proces
 node of process 1 is lost whole mid-run (slurmd, slurmstepd, task at once; nobody marks it down). The
 supervisor must blame that node (not the survivor whose collective failed afterwards), start the next step
 on the survivor and the spare inside the same allocation at once (not wait for SLURM to notice the loss,
-nor for a step that cannot start), and finish with the bytes of an undisturbed 2-process run.
+nor for a step that cannot start), restore from the fast tier (the lost process's shards from the copy the
+survivor holds for it, moved to the spare over the collectives; the lost node's tmpfs is gone), and finish
+with the bytes of an undisturbed 2-process run.
 
 Skipped without SLURM binaries or root, except under CI (where it must run: .ci/run installs SLURM).
 """
@@ -23,6 +25,7 @@ from test_slurm_job import _require_slurm
 pytestmark = pytest.mark.slow  # trains end to end (fast loop: -m 'not slow')
 
 SLURMD_TIMEOUT, MESSAGE_TIMEOUT = 5, 3  # SLURM itself notices a lost node after about 11-13 s
+NODE_LOCAL = "/local_scratch"
 
 
 def _node_of(pid: int) -> str:
@@ -35,17 +38,6 @@ def test_lost_node_is_replaced_by_the_spare_and_the_run_is_bitwise_undisturbed(t
     ref_run, corpus = reference(tmp_path_factory)
     run, out = tmp_path / "run", tmp_path / "job.out"
     # Steps from 12 on are slowed (the numbers do not change) so that the loss lands mid-run on a fast machine.
-    args = [
-        "--config",
-        TINY,
-        *sets(
-            *MICRO,
-            f"run.dir={run}",
-            *group_overrides(corpus, *TWO),
-            "launch.processes_per_node=1",
-            "faults=[{kind: slow, step: 12, seconds: 0.3, count: 10}]",
-        ),
-    ]
     t0 = time.time()
     with local_slurm(
         tmp_path / "slurm",
@@ -54,8 +46,26 @@ def test_lost_node_is_replaced_by_the_spare_and_the_run_is_bitwise_undisturbed(t
         cred_expire=5,
         slurmd_timeout=SLURMD_TIMEOUT,
         message_timeout=MESSAGE_TIMEOUT,
+        node_local=NODE_LOCAL,
     ) as env:
         env = dict(env, TRAINER_PYTHON=sys.executable)
+        # Each node's local tier lives and dies with it: one path with a private tmpfs on every node, or
+        # (where namespaces cannot mount) a folder per node named through {node}.
+        tmpfs = env["LOCAL_SLURM_NODE_LOCAL_MODE"] == "tmpfs"
+        local = f"{NODE_LOCAL}/ckpt" if tmpfs else f"{tmp_path / 'slurm'}/nodes/{{node}}/local"
+        args = [
+            "--config",
+            TINY,
+            *sets(
+                *MICRO,
+                f"run.dir={run}",
+                *group_overrides(corpus, *TWO),
+                "launch.processes_per_node=1",
+                f"checkpoint.local_dir={local}",
+                "checkpoint.local_every_steps=4",  # durable every 10 (MICRO)
+                "faults=[{kind: slow, step: 12, seconds: 0.3, count: 10}]",
+            ),
+        ]
         job = subprocess.run(
             [
                 "sbatch",
@@ -107,6 +117,13 @@ def test_lost_node_is_replaced_by_the_spare_and_the_run_is_bitwise_undisturbed(t
     # The next step runs on the survivor and the spare, in the same allocation.
     assert sorted(starts[1]["nodes"]) == sorted([survivor, spare]) and starts[1]["suspect_nodes"] == [lost]
     restored = next(e for e in evs if e["event"] == "restore" and e["time"] > starts[1]["time"])
+    # From the fast tier, not durable: the lost process's shards from the copy the survivor held for it.
+    local_saves = [e["step"] for e in evs if e["event"] == "checkpoint_saved" and e["tier"] == "local"]
+    assert restored["tier"] == "local" and restored["step"] in local_saves and restored["step"] > 10, restored
+    assert sorted((s["node"], s["copy"]) for s in restored["sources"].values()) == [
+        (survivor, "buddy"),
+        (survivor, "state"),
+    ], restored
     first_step = next(e for e in evs if e["event"] == "step" and e["time"] > starts[1]["time"])
     # The suspects outlive this supervisor (a requeued job reads them) and `status` lists them.
     st = subprocess.run(
@@ -125,5 +142,6 @@ def test_lost_node_is_replaced_by_the_spare_and_the_run_is_bitwise_undisturbed(t
         f"node loss: {lost} lost at step {victim['step']}; exit {exit0}; restart on {starts[1]['nodes']} "
         f"{starts[1]['time'] - t_kill:.1f}s after the kill, first new step ({first_step['step']}) after "
         f"{first_step['time'] - t_kill:.1f}s, restored step {restored.get('step')} "
-        f"({ {k: v for k, v in restored.items() if k not in ('event', 'time', 'by')} }); test {wall:.0f}s"
+        f"({ {k: v for k, v in restored.items() if k not in ('event', 'time', 'by')} }); a durable-only restore "
+        f"would have gone back to step 10 ({restored['step'] - 10} more steps to recompute); test {wall:.0f}s"
     )
