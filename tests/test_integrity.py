@@ -333,11 +333,13 @@ def test_two_processes_agree_on_a_bad_shard_and_on_the_newest_local_step_they_al
 
 
 @pytest.mark.slow
-def test_a_lost_nodes_shards_come_from_the_copy_its_buddy_holds_never_from_a_partial_step(tmp_path_factory):
-    """Two processes standing for two nodes (TRAINER_NODE_NAME, each its own local folder through {node}):
-    every local save also leaves each process's shards with the other. Node fake1 is then lost (its local
-    folder gone) and the copy of its shards at the newest local step is corrupt: that step cannot be
-    assembled, so the restore takes the previous one, process 1's shards moved over from process 0's copy."""
+def test_a_step_is_assembled_from_any_copy_a_node_holds_never_from_a_partial_one(tmp_path_factory):
+    """Two processes standing for two nodes (TRAINER_NODE_NAME; each its own local folder through {node}):
+    every local save also leaves each process's shards with the other. Then process 1's folder turns up on
+    node fake0 (as when a restart maps process indices to nodes anew) and fake1 is empty, and both copies of
+    process 1's shards at the newest local step are corrupt: that step cannot be assembled, so the restore
+    takes the previous one, process 1's shards read on fake0 and moved over the collectives; the folder no
+    process on fake0 writes any more is dropped once a new local save is sealed."""
     from multihost import TWO, group_overrides, reference
 
     ref, corpus = reference(tmp_path_factory)
@@ -345,24 +347,29 @@ def test_a_lost_nodes_shards_come_from_the_copy_its_buddy_holds_never_from_a_par
     over = group_overrides(corpus, *TWO, f"checkpoint.local_dir={local}/{{node}}", "checkpoint.local_every_steps=4")
     nodes = {"TRAINER_NODE_NAME": "fake{process}"}
     run_trainer(run, *over, "train.stop_at_step=20", env=nodes)  # durable 10, 20; local 8, 12, 16 (keep 3)
-    roots = [checkpoint_files.local_root(f"{local}/{{node}}", run, f"fake{i}") / f"process_{i}" for i in (0, 1)]
-    assert all(sorted(int(p.name) for p in r.glob("[0-9]*")) == [8, 12, 16] for r in roots)
+    roots = [checkpoint_files.local_root(f"{local}/{{node}}", run, f"fake{i}") for i in (0, 1)]
+    assert [sorted(int(p.name) for p in (r / f"process_{i}").glob("[0-9]*")) for i, r in enumerate(roots)] == [
+        [8, 12, 16],
+        [8, 12, 16],
+    ]
+    assert all((r / f"process_{i}" / "16" / "buddy").is_dir() for i, r in enumerate(roots))
     shutil.rmtree(run / "checkpoints" / "20")  # the newest durable one is gone too: the local tier must serve
-    shutil.rmtree(local / "fake1")  # the node is lost whole
-    _flip(roots[0] / "16", "buddy")  # ... and the copy its buddy holds of step 16 is corrupt
+    shutil.move(roots[1] / "process_1", roots[0] / "process_1")
+    bad = {_flip(roots[0] / "process_1" / "16"), _flip(roots[0] / "process_0" / "16", "buddy")}
     run_trainer(run, *over, env=nodes)
     rejected = _of(run, "checkpoint_rejected")
-    assert [(e["step"], e["tier"], e["process"]) for e in rejected] == [(16, "local", 0)], rejected
-    assert rejected[0]["file"].startswith("process_0/"), rejected
+    assert [(e["step"], e["tier"], e["process"]) for e in rejected] == [(16, "local", 0)] * 2, rejected
+    assert {e["file"].split("/", 1)[0] for e in rejected} == {"process_0", "process_1"}, (rejected, bad)
     (restore,) = _of(run, "restore")
     assert (restore["step"], restore["tier"]) == (12, "local"), restore
     assert restore["sources"] == {
         "0": {"process": 0, "node": "fake0", "copy": "state"},
-        "1": {"process": 0, "node": "fake0", "copy": "buddy"},
+        "1": {"process": 0, "node": "fake0", "copy": "state"},
     }, restore
     assert summary(run)["params_sha256"] == summary(ref)["params_sha256"]
     losses, ref_losses = step_losses(run), step_losses(ref)
     assert all(set(v) == {ref_losses[k][0]} for k, v in losses.items())
+    assert sorted(p.name for p in roots[0].glob("process_*")) == ["process_0"]
 
 
 # --- kills inside async saves ---------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from multihost import ONE, TWO, at_step, audit, group_overrides, heartbeat, refe
 from trainer.config import ConfigError, DataConfig, LaunchConfig, load_config
 from trainer.core import data
 from trainer.observe import audit as audit_lib
-from trainer.supervise import exit_codes, launcher, membership
+from trainer.supervise import exit_codes, launcher, membership, nodes
 
 
 @pytest.fixture(scope="module")
@@ -281,8 +281,8 @@ def test_srun_step_command_and_task_errors():
         "--label",
         "--job-name=trainer-x",
     ]
-    assert launcher.task_error_code("Killed") == -signal.SIGKILL
-    assert launcher.task_error_code("Exited with exit code 75") == 75
+    assert nodes.task_error_code("Killed") == -signal.SIGKILL
+    assert nodes.task_error_code("Exited with exit code 75") == 75
 
 
 def _srun_output(*lines: str) -> launcher.SrunGroup:
@@ -301,9 +301,13 @@ def test_node_blame_names_the_node_that_died_not_its_survivors():
     # The coordinator's process aborted on its lost peer before the killed task was reported (seen in CI):
     # the abort may be a consequence, so it does not end the step at once, and the kill is the cause.
     g = _srun_output("srun: error: n1: task 0: Aborted (core dumped)")
-    assert not g._should_end() and g.failed_node() == "n1"  # alone, once srun has ended, the abort is blamed
+    assert not g._should_end() and g.failed_node() is None  # n2 has not reported: it may be lost (blamed)
+    assert [n for n, _ in g.blame()] == ["n2"] and "vanished" in g.blame()[0][1]
     g._watch("srun: error: n2: task 1: Killed\n")
     assert g.failed_node() == "n2" and g.blame()[0][0] == "n2" and g.poll() == -signal.SIGKILL
+    # Both reported, an abort and a lost peer: the abort is the one that failed.
+    g = _srun_output("srun: error: n2: task 1: Exited with exit code 82", "srun: error: n1: task 0: Aborted")
+    assert g.failed_node() == "n1" and g.blame()[0][0] == "n1"
     # A lost node's task is never reported: the survivor's PEER_LOST comes first, and n2 said nothing.
     g = _srun_output(f"srun: error: n1: task 0: Exited with exit code {exit_codes.PEER_LOST}")
     assert g.failed_node() is None and [n for n, _ in g.blame()] == ["n2"] and "vanished" in g.blame()[0][1]

@@ -11,6 +11,7 @@ never leaves another waiting in a barrier.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -74,8 +75,13 @@ class Tiers:
             self.local = Checkpointer(
                 checkpoint_files.local_dir(cfg.local_dir, run_dir, jax.process_index(), self.node), cfg, tier=LOCAL
             )
+            self._neighbours = {jax.process_index()}  # the processes on this node (they share its local root)
             if jax.process_count() > 1:
-                self.pairing = buddy.pair(buddy.nodes_of_processes())
+                nodes = buddy.nodes_of_processes()
+                self.pairing = buddy.pair(nodes)
+                self._neighbours = {i for i, n in enumerate(nodes) if n == nodes[jax.process_index()]}
+        self._stale_checked = False
+        self._saved_local: list[int] = []
         # The runbook's rewind targets, oldest first: a local checkpoint saved before the i-th rewind and past
         # its target belongs to an abandoned history (the supervisor cannot reach node-local disks to move it).
         self.rewinds = rewinds
@@ -104,12 +110,29 @@ class Tiers:
             meta = dict(meta, holds=self.pairing.held, node=self.node)
         if self.local is None:
             return None
+        self._drop_stale_folders()
+        self._saved_local.append(step)
         try:
             blocking = self.local.save(step, state, data_state, dict(meta, process=jax.process_index()), held=held)
         except SaveFailed:
             self._local_failed()
             return None
         return blocking if held is None else time.perf_counter() - t0
+
+    def _drop_stale_folders(self) -> None:
+        """Once this attempt's first local save is sealed, the folders on this node that no process here
+        writes any more (a process index that moved to another node with a restart) go: their copies are
+        older than the new one, and the node-local disk is small."""
+        listed = checkpoint_files.sealed_steps if self.cfg.verify else checkpoint_files.committed_steps
+        if self._stale_checked or not set(self._saved_local) & set(listed(self.local.directory)):
+            return
+        self._stale_checked = True
+        if jax.process_index() != min(self._neighbours):
+            return
+        for folder in checkpoint_files.local_dirs(self.cfg.local_dir, self.run_dir, self.node):
+            if int(folder.name.rsplit("_", 1)[1]) not in self._neighbours:
+                shutil.rmtree(folder, ignore_errors=True)
+                self._readers.pop(folder.name, None)
 
     def failure(self) -> str | None:
         """A durable save that could not be written (checked every step; a local one is handled here)."""

@@ -22,7 +22,16 @@ from pathlib import Path
 from trainer.config import ConfigError, LaunchConfig
 from trainer.observe import env_vars, rundir
 from trainer.supervise import exit_codes, membership
-from trainer.supervise.nodes import down_nodes, hostnames, plan_nodes, read_suspects, write_suspects
+from trainer.supervise.nodes import (
+    NODE_FAILURE,
+    TASK_ERROR,
+    down_nodes,
+    hostnames,
+    plan_nodes,
+    read_suspects,
+    task_error_code,
+    write_suspects,
+)
 
 PR_SET_PDEATHSIG = 1
 # Exits the worker chose (under SLURM: its node is not suspect); anything else means the group is broken.
@@ -177,23 +186,11 @@ class LocalGroup(Group):
                     pass
 
 
-# `srun: error: node7: task 1: Killed` / `srun: error: node7: tasks 0-3: Exited with exit code 13`
-_TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? [\d,\-]+: (.+)$")
-# SLURM marked a node of the step DOWN and killed the step: `srun: error: Node failure on node7`. The tasks
-# it killed on the other nodes are reported after (or before) it: consequences, not causes.
-_NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")
 # srun waiting for resources it may never get, e.g. `srun: Job 12 step creation temporarily disabled, retrying
 # (Requested nodes are busy)` while an earlier step still holds a lost node; or giving up on the step.
 _STEP_BLOCKED = re.compile(r"step creation temporarily disabled|Requested nodes are busy|Unable to create step")
 # The step exists after all: srun says so after a retry, or a task prints (`--label`: "0: ...").
 _STEP_STARTED = re.compile(r"srun: Step created|\d+: ")
-_SIGNALS = {
-    "Killed": -signal.SIGKILL,
-    "Terminated": -signal.SIGTERM,
-    "Segmentation fault": -signal.SIGSEGV,
-    "Aborted": -signal.SIGABRT,
-    "Bus error": -signal.SIGBUS,
-}
 # After a survivor reports a lost peer (exit PEER_LOST), how long the other tasks' reports may take before the
 # step is torn down: a task that really died is reported before its peers' PEER_LOST (they wait
 # trainer.__main__.PEER_DEATH_GRACE_S first); a lost node's task is never reported at all.
@@ -203,11 +200,6 @@ PEER_REPORT_GRACE_S = 2.0
 _CONSEQUENCES = (exit_codes.PEER_LOST, -signal.SIGABRT)
 # How long srun may wait for a step it cannot create before the attempt is ended and planned again.
 STEP_START_GRACE_S = 15.0
-
-
-def task_error_code(status: str) -> int | None:
-    m = re.match(r"Exited with exit code (\d+)", status)
-    return int(m.group(1)) if m else _SIGNALS.get(status.split(" (")[0].strip())
 
 
 class SrunGroup(Group):
@@ -238,9 +230,9 @@ class SrunGroup(Group):
 
     def _watch(self, line: str) -> None:
         line = line.rstrip()
-        if m := _NODE_FAILURE.search(line):
+        if m := NODE_FAILURE.search(line):
             self.node_failures.append(m.group(1))
-        elif (m := _TASK_ERROR.search(line)) and (code := task_error_code(m.group(2))) is not None:
+        elif (m := TASK_ERROR.search(line)) and (code := task_error_code(m.group(2))) is not None:
             self.errors.append((m.group(1), code))
             if code in _CONSEQUENCES and not self._peer_lost_t:
                 self._peer_lost_t = time.monotonic()
@@ -305,8 +297,13 @@ class SrunGroup(Group):
 
     def failed_node(self) -> str | None:
         """A node SLURM reported failed; else the node whose task died first, unless it left on purpose
-        (preempted, spike, ...) or because its peer went away (PEER_LOST: a survivor)."""
-        return self._cause() or next((n for n, c in self.errors if c == -signal.SIGABRT), None)
+        (preempted, spike, ...) or as a consequence of a lost peer (PEER_LOST, SIGABRT); else, when every node
+        reported and all were consequences, the first abort."""
+        if cause := self._cause():
+            return cause
+        if {n for n, _ in self.errors} >= set(self.nodes):
+            return next((n for n, c in self.errors if c == -signal.SIGABRT), None)
+        return None
 
     def _cause(self) -> str | None:
         """A node failure, or the first task that died neither on purpose nor as a consequence."""
@@ -316,15 +313,15 @@ class SrunGroup(Group):
 
     def blame(self) -> list[tuple[str, str]]:
         """(node, why) for each node this attempt's failure points at: the node whose task died first; or,
-        when the only reports are survivors' lost peers, the step's nodes whose tasks were never reported
-        (a lost node's tasks vanish with it, and srun hears nothing from them)."""
+        when the only reports are survivors' reactions to lost peers, the step's nodes whose tasks were never
+        reported (a lost node's tasks vanish with it, and srun hears nothing from them)."""
         if self.node_failures:
             return [(n, "SLURM reported a node failure during the step") for n in dict.fromkeys(self.node_failures)]
         if node := self.failed_node():
             code = next(c for n, c in self.errors if n == node)
             what = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             return [(node, f"its task failed first ({what})")]
-        if any(c == exit_codes.PEER_LOST for _, c in self.errors):
+        if any(c in _CONSEQUENCES for _, c in self.errors):
             reported = {n for n, _ in self.errors}
             return [
                 (n, "its task vanished without a report while its peers lost their connection to it")

@@ -1,16 +1,37 @@
-"""The nodes of a SLURM allocation, as the launcher sees them: which ones SLURM reports failed, which ones
-this run blamed (kept in RUN_DIR/suspect_nodes.json, so a requeued job's new supervisor avoids them too),
-and which ones the next step runs on. Never imports jax.
+"""The nodes of a SLURM allocation, as the launcher sees them: what srun reports about their tasks, which
+ones SLURM reports failed, which ones this run blamed (kept in RUN_DIR/suspect_nodes.json, so a requeued
+job's new supervisor avoids them too), and which ones the next step runs on. Never imports jax.
 """
 
 from __future__ import annotations
 
+import re
+import signal
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
 from trainer.config import ConfigError
 from trainer.observe import rundir
+
+# `srun: error: node7: task 1: Killed` / `srun: error: node7: tasks 0-3: Exited with exit code 13`
+TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? [\d,\-]+: (.+)$")
+# SLURM marked a node of the step DOWN and killed the step: `srun: error: Node failure on node7`. The tasks
+# it killed on the other nodes are reported after (or before) it: consequences, not causes.
+NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")
+_SIGNALS = {
+    "Killed": -signal.SIGKILL,
+    "Terminated": -signal.SIGTERM,
+    "Segmentation fault": -signal.SIGSEGV,
+    "Aborted": -signal.SIGABRT,
+    "Bus error": -signal.SIGBUS,
+}
+
+
+def task_error_code(status: str) -> int | None:
+    """srun's words for how a task ended, as an exit code (negative: the signal)."""
+    m = re.match(r"Exited with exit code (\d+)", status)
+    return int(m.group(1)) if m else _SIGNALS.get(status.split(" (")[0].strip())
 
 
 def plan_nodes(
