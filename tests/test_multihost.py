@@ -267,7 +267,7 @@ def test_hot_spare_replaces_a_failed_node_and_keeps_the_mesh():
 
 
 def test_srun_step_command_and_task_errors():
-    cmd = launcher.srun_command(
+    cmd = nodes.srun_command(
         ["python", "-m", "trainer"], nodes=["n1", "n3"], processes=4, per_node=2, launch_id="trainer-x"
     )
     assert cmd[:9] == [

@@ -12,13 +12,16 @@ Skipped without SLURM binaries or root, except under CI (where it must run: .ci/
 
 from __future__ import annotations
 
+import os
+import random
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 from conftest import MICRO, ROOT, TINY, events, sets, step_losses, summary
-from multihost import TWO, at_step, audit, group_overrides, reference
+from multihost import TWO, at_step, audit, group_overrides, reference, wait_for
 from slurm_cluster import TERMINAL_STATES, job_state, local_slurm, lose_node, node_states, wait_job
 from test_slurm_job import _require_slurm
 
@@ -145,3 +148,63 @@ def test_lost_node_is_replaced_by_the_spare_and_the_run_is_bitwise_undisturbed(t
         f"({ {k: v for k, v in restored.items() if k not in ('event', 'time', 'by')} }); a durable-only restore "
         f"would have gone back to step 10 ({restored['step'] - 10} more steps to recompute); test {wall:.0f}s"
     )
+
+
+def test_a_frozen_node_is_the_one_blamed_and_a_requeued_job_still_avoids_it(tmp_path, tmp_path_factory):
+    """A training process is frozen (SIGSTOP: a node gone silent) on a randomly chosen training node. The
+    group hangs; the supervisor must blame that node, and only it (its process stopped pulsing while its
+    peer, blocked waiting for it, still pulsed; srun's reports of the kill that follows blame nobody),
+    go on with the survivor and the spare, and the job, requeued by an operator, must still avoid it."""
+    _require_slurm()
+    ref_run, corpus = reference(tmp_path_factory)
+    run, out = tmp_path / "run", tmp_path / "job.out"
+    victim_process = random.randrange(2)
+    args = [
+        "--config",
+        TINY,
+        *sets(
+            *MICRO,
+            f"run.dir={run}",
+            *group_overrides(corpus, *TWO),
+            "launch.processes_per_node=1",
+            "supervisor.step_timeout_s=10",
+            "faults=[{kind: slow, step: 12, seconds: 0.3, count: 18}]",
+        ),
+    ]
+    cluster = dict(nodes=3, cpus=2, cred_expire=5, slurmd_timeout=SLURMD_TIMEOUT, message_timeout=MESSAGE_TIMEOUT)
+    with local_slurm(tmp_path / "slurm", **cluster) as env:
+        env = dict(env, TRAINER_PYTHON=sys.executable)
+        job = subprocess.run(
+            ["sbatch", "--parsable", "--nodes=3", "--ntasks-per-node=1", "--gpus-per-task=0", "--cpus-per-task=1"]
+            + [f"--chdir={ROOT}", f"--output={out}", str(ROOT / "launch" / "slurm.sbatch"), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout.strip()
+        alive = lambda: job_state(job, env) not in TERMINAL_STATES
+
+        victim = at_step(run, victim_process, 13, alive)
+        frozen = _node_of(victim["pid"])
+        os.kill(victim["pid"], signal.SIGSTOP)
+        # The step after the hang is training on the other two nodes; then an operator requeues the job.
+        wait_for(lambda: len([e for e in events(run) if e["event"] == "worker_start"]) == 2, 120, "the restart")
+        at_step(run, 0, max(victim["step"] + 2, 16), alive)
+        subprocess.run(["scontrol", "requeue", job], env=env, check=True, timeout=30)
+        state = wait_job(job, env, timeout=400)
+        log = out.read_text()
+        assert state == "COMPLETED", log[-3000:]
+
+    evs = events(run)
+    (hang,) = [e for e in evs if e["event"] == "hang_detected"]
+    assert hang["node"] == frozen and hang["process"] == victim_process and "froze" in hang["why"], hang
+    suspects = [(e["node"], "froze" in e["reason"]) for e in evs if e["event"] == "node_suspect"]
+    assert suspects == [(frozen, True)], suspects  # not a node srun reported killed after the hang kill
+    starts = [e for e in evs if e["event"] == "worker_start"]
+    assert len(starts) >= 3 and frozen in starts[0]["nodes"], starts
+    for s in starts[1:]:  # after the hang, in this job and in the requeued one: never the frozen node again
+        assert frozen not in s["nodes"] and s["suspect_nodes"] == [frozen] and len(s["nodes"]) == 2, s
+    assert len({e["pid"] for e in evs if e["event"] == "supervisor_start"}) == 2  # the requeued job's own
+    assert summary(run)["params_sha256"] == summary(ref_run)["params_sha256"]
+    print(f"hang: process {victim_process} frozen on {frozen} at step {victim['step']}; {hang['why']}")

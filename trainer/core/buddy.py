@@ -19,8 +19,6 @@ there is no buddy (a copy on the same disk survives nothing more).
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -30,16 +28,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer.core.distributed import allgather_json
-from trainer.observe import env_vars
+from trainer.observe import heartbeat
 
 
 def node_name() -> str:
-    """This process's node: SLURM's name for it, else the host name. TRAINER_NODE_NAME overrides both (tests
-    on one machine pretend that each process is a node: "{process}" in it is replaced by the process index)."""
-    forced = os.environ.get(env_vars.NODE_NAME, "")
-    if forced:
-        return forced.replace("{process}", str(jax.process_index()))
-    return os.environ.get(env_vars.SLURMD_NODENAME) or socket.gethostname()
+    """This process's node (trainer.observe.heartbeat.node_name)."""
+    return heartbeat.node_name(jax.process_index())
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,18 @@
-"""Worker heartbeats: a tiny JSON file per process with step, phase and time, replaced atomically.
+"""Worker heartbeats: a tiny JSON file per process with step, phase, time and node, replaced atomically;
+and a pulse: another file per process that a thread of the worker rewrites every PULSE_S whatever the
+training does.
 
 The worker writes them; the supervisor (which never imports jax) reads them to tell a slow phase from a
-hang, and `status` to show the last beat and whether it is overdue. A run-dir record, so it lives in observe.
+hang, and `status` to show the last beat and whether it is overdue. When the group hangs, the pulses say
+which process froze (SIGSTOP, a node gone silent): its pulse stops, while its peers, blocked in a collective
+waiting for it, still pulse. A run-dir record, so it lives in observe.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +22,17 @@ from trainer.observe.events import NO_SPACE
 from trainer.observe.rundir import read_json, write_json
 
 PHASES = ("startup", "restore", "compile", "step", "eval", "checkpoint", "done")
+PULSE_S = 1.0  # how often each worker says it is alive
+PULSE_STALE_S = 6.0  # a pulse this old: the process is frozen, not waiting (writes to a busy shared disk may lag)
+
+
+def node_name(process: int) -> str:
+    """The node a process runs on: SLURM's name for it, else the host name. TRAINER_NODE_NAME overrides both
+    (tests on one machine pretend that each process is a node: "{process}" in it becomes the process index)."""
+    forced = os.environ.get(env_vars.NODE_NAME, "")
+    if forced:
+        return forced.replace("{process}", str(process))
+    return os.environ.get(env_vars.SLURMD_NODENAME) or socket.gethostname()
 
 
 def phase_timeout(sc: SupervisorConfig, phase: str) -> float:
@@ -34,11 +51,28 @@ def heartbeat_path(run_dir: Path, process: int) -> Path:
     return Path(run_dir) / rundir.HEARTBEAT / f"worker-{process}.json"
 
 
+def pulse_path(run_dir: Path, process: int) -> Path:
+    return Path(run_dir) / rundir.HEARTBEAT / f"pulse-{process}.json"
+
+
 class Heartbeat:
     def __init__(self, run_dir: Path, process: int, *, data: str = ""):
         self.path = heartbeat_path(run_dir, process)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.data = data  # the fingerprint of the data this process reads: every process's is on record
+        self.node = node_name(process)
+        self._pulse = pulse_path(run_dir, process)
+        threading.Thread(target=self._pulse_forever, name="pulse", daemon=True).start()
+
+    def _pulse_forever(self) -> None:
+        launch = os.environ.get(env_vars.LAUNCH_ID, "")
+        while True:
+            try:
+                write_json(self._pulse, {"time": time.time(), "pid": os.getpid(), "launch": launch}, indent=None)
+            except OSError as e:
+                if e.errno not in NO_SPACE:
+                    raise
+            time.sleep(PULSE_S)
 
     def beat(self, phase: str, step: int) -> None:
         # "launch" names the attempt (set by the supervisor), so a stale file from an old attempt never counts.
@@ -52,12 +86,20 @@ class Heartbeat:
                     "pid": os.getpid(),
                     "launch": os.environ.get(env_vars.LAUNCH_ID, ""),
                     "data": self.data,
+                    "node": self.node,
                 },
                 indent=None,
             )
         except OSError as e:  # a full disk: the last beat stays; a real hang is still caught by its age
             if e.errno not in NO_SPACE:
                 raise
+
+
+def read_pulse(run_dir: Path, process: int, launch: str) -> dict | None:
+    """A process's pulse in this attempt (`launch`), or None (none yet, torn, or an older attempt's)."""
+    p = read_json(pulse_path(run_dir, process))
+    ok = p is not None and p.get("launch") == launch and isinstance(p.get("time"), (int, float))
+    return p if ok else None
 
 
 def read(path: Path) -> dict | None:

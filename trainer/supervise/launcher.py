@@ -29,6 +29,7 @@ from trainer.supervise.nodes import (
     hostnames,
     plan_nodes,
     read_suspects,
+    srun_command,
     task_error_code,
     write_suspects,
 )
@@ -120,6 +121,9 @@ class Group:
 
     def describe(self) -> dict:
         return {"processes": self.processes, **({"nodes": self.nodes} if self.nodes else {})}
+
+    def hung(self, node: str, why: str) -> None:
+        """The supervisor found the group hung on `node` (and killed it): that node is the one to blame."""
 
     def describe_exit(self) -> dict:
         """For the worker_exit event: which process or node failed first."""
@@ -223,6 +227,10 @@ class SrunGroup(Group):
         self.stdout = _Merged([self._proc.stdout], label=False, on_line=self._watch)
         self._step = ""
         self._killing = False
+        self._hung: list[tuple[str, str]] = []
+
+    def hung(self, node: str, why: str) -> None:
+        self._hung = [(node, why)]
 
     @property
     def first_error(self) -> tuple[str, int] | None:
@@ -315,6 +323,8 @@ class SrunGroup(Group):
         """(node, why) for each node this attempt's failure points at: the node whose task died first; or,
         when the only reports are survivors' reactions to lost peers, the step's nodes whose tasks were never
         reported (a lost node's tasks vanish with it, and srun hears nothing from them)."""
+        if self._hung:  # the supervisor killed the step: srun's reports of the kill are not causes
+            return self._hung
         if self.node_failures:
             return [(n, "SLURM reported a node failure during the step") for n in dict.fromkeys(self.node_failures)]
         if node := self.failed_node():
@@ -329,21 +339,6 @@ class SrunGroup(Group):
                 if n not in reported
             ]
         return []
-
-
-def srun_command(argv: list[str], *, nodes: list[str], processes: int, per_node: int, launch_id: str) -> list[str]:
-    return [
-        "srun",
-        f"--nodes={len(nodes)}",
-        f"--ntasks={processes}",
-        f"--ntasks-per-node={per_node}",
-        f"--nodelist={','.join(nodes)}",
-        "--kill-on-bad-exit=1",
-        "--overlap",  # see SrunGroup
-        "--label",
-        f"--job-name={launch_id}",
-        *argv,
-    ]
 
 
 class Launcher:

@@ -87,3 +87,18 @@ def down_nodes(nodes: list[str]) -> dict[str, str]:
         if len(parts) == 2 and (parts[1].endswith("*") or parts[1].rstrip("~#!%$@^-") in bad):
             out_nodes[parts[0]] = parts[1]
     return out_nodes
+
+
+def srun_command(argv: list[str], *, nodes: list[str], processes: int, per_node: int, launch_id: str) -> list[str]:
+    return [
+        "srun",
+        f"--nodes={len(nodes)}",
+        f"--ntasks={processes}",
+        f"--ntasks-per-node={per_node}",
+        f"--nodelist={','.join(nodes)}",
+        "--kill-on-bad-exit=1",
+        "--overlap",  # see trainer.supervise.launcher.SrunGroup
+        "--label",
+        f"--job-name={launch_id}",
+        *argv,
+    ]

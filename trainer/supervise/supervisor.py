@@ -117,6 +117,7 @@ class Supervisor:
         self._warn_overdue(att, phase, since, silent, step)
         if silent <= self._timeout(phase):
             return False
+        culprit, node, why = self._hung_on(att, beats)
         self.events.open()
         self.events.write(
             HANG_DETECTED,
@@ -125,12 +126,32 @@ class Supervisor:
             phase=phase,
             silent_s=silent,
             timeout_s=self._timeout(phase),
-            process=process,
+            process=culprit,
+            node=node,
+            why=why,
         )
+        if node:
+            att.proc.hung(node, why)
         self._dump_stacks(att)
         att.hang = True
         att.proc.send_signal(signal.SIGKILL)
         return True
+
+    def _hung_on(self, att: Attempt, beats: list) -> tuple[int, str, str]:
+        """(process, node, why) the hang points at. A frozen process (SIGSTOP, a node gone silent) stops
+        pulsing while its peers, blocked in a collective waiting for it, still pulse; when all pulse (a stuck
+        kernel), the process furthest behind: lowest step, then oldest beat."""
+        now, hbs = time.time(), self._heartbeats(att)
+        pulses = [heartbeat.read_pulse(self.run_dir, i, att.proc.launch_id) for i in range(att.proc.processes)]
+        frozen = [i for i, p in enumerate(pulses) if p is None or now - p["time"] > heartbeat.PULSE_STALE_S]
+        if frozen and len(frozen) < len(pulses):
+            i = frozen[0]
+            age = f"{now - pulses[i]['time']:.0f} s" if pulses[i] else "ever"
+            why = f"its process {i} froze (no sign of life for {age}) while its peers waited for it"
+        else:
+            i = min(beats, key=lambda b: (b[2] if b[2] is not None else -1, b[1]))[3]
+            why = f"its process {i} was furthest behind when the group hung ({beats[i][0]}, step {beats[i][2]})"
+        return i, (hbs[i] or {}).get("node", ""), why
 
     def _warn_overdue(self, att: Attempt, phase: str, since: float, silent: float, step) -> None:
         """ "No step completed for too long": an alert while there is still time to look, well before the
