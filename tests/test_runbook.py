@@ -345,3 +345,35 @@ def test_nan_and_spike_faults_poison_one_update_once_or_on_every_attempt(tmp_pat
     assert math.isnan(inj.lr_scale(3, 0.5)) and inj.lr_scale(3, 0.5) == 0.5  # fired, recorded
     again = FaultInjector(faults, tmp_path)  # the next attempt
     assert again.lr_scale(3, 0.5) == 0.5 and again.lr_scale(5, 0.5) == 5.0
+
+
+def _mismatch(run: Path, odd_processes: list[int], replicas: int) -> None:
+    """What a worker writes when a replica check fails (the shape trainer.core.replicas.check returns)."""
+    devices = [
+        {
+            "device": 2048 * r,
+            "process": r,
+            "data": r,
+            "fsdp": 0,
+            "tensor": 0,
+            "fingerprint": 7,
+            "odd": r in odd_processes,
+        }
+        for r in range(replicas)
+    ]
+    log = events.EventLog(run / "events.jsonl")
+    log.write("worker_start", pid=1)
+    log.write("replica_mismatch", step=8, last_good=4, param="['wte']['embedding']", devices=devices)
+
+
+def test_a_diverged_replica_blames_its_node_only_when_the_others_outvote_it(tmp_path):
+    from trainer.supervise import replica_rewind
+
+    written = []
+    _mismatch(tmp_path, [3], replicas=4)  # one copy of four differs: its process's node is the suspect
+    line, culprit = replica_rewind.rewind(tmp_path, lambda *a, **k: written.append(k), tag=1, nodes=list("abcd"))
+    assert culprit[0] == "d" and "process 3" in culprit[1] and written[-1]["node"] == "d", (culprit, written)
+    assert "silent data corruption" in line
+    _mismatch(tmp_path, [0, 1], replicas=2)  # two copies disagree: either may be the bad one, blame neither
+    line, culprit = replica_rewind.rewind(tmp_path, lambda *a, **k: written.append(k), tag=2, nodes=list("ab"))
+    assert culprit is None and "node" not in written[-1], written[-1]

@@ -122,8 +122,9 @@ class Group:
     def describe(self) -> dict:
         return {"processes": self.processes, **({"nodes": self.nodes} if self.nodes else {})}
 
-    def hung(self, node: str, why: str) -> None:
-        """The supervisor found the group hung on `node` (and killed it): that node is the one to blame."""
+    def blame_node(self, node: str, why: str) -> None:
+        """The supervisor found what `node` did wrong (its process froze, its replica diverged): the one to
+        blame for this attempt's end, whatever srun reports about the kill that followed."""
 
     def describe_exit(self) -> dict:
         """For the worker_exit event: which process or node failed first."""
@@ -227,10 +228,10 @@ class SrunGroup(Group):
         self.stdout = _Merged([self._proc.stdout], label=False, on_line=self._watch)
         self._step = ""
         self._killing = False
-        self._hung: list[tuple[str, str]] = []
+        self._blamed: list[tuple[str, str]] = []
 
-    def hung(self, node: str, why: str) -> None:
-        self._hung = [(node, why)]
+    def blame_node(self, node: str, why: str) -> None:
+        self._blamed = [(node, why)]
 
     @property
     def first_error(self) -> tuple[str, int] | None:
@@ -323,8 +324,8 @@ class SrunGroup(Group):
         """(node, why) for each node this attempt's failure points at: the node whose task died first; or,
         when the only reports are survivors' reactions to lost peers, the step's nodes whose tasks were never
         reported (a lost node's tasks vanish with it, and srun hears nothing from them)."""
-        if self._hung:  # the supervisor killed the step: srun's reports of the kill are not causes
-            return self._hung
+        if self._blamed:  # the supervisor knows better than srun's reports of the kill that followed
+            return self._blamed
         if self.node_failures:
             return [(n, "SLURM reported a node failure during the step") for n in dict.fromkeys(self.node_failures)]
         if node := self.failed_node():

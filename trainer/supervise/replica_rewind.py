@@ -14,14 +14,25 @@ from trainer.observe.event_names import REPLICA_MISMATCH, REPLICA_REWIND
 from trainer.supervise import runbook
 
 
-def rewind(run_dir: Path, write_event: Callable[..., None], *, tag: int) -> str:
-    """Rewind after a mismatch; returns the line the supervisor prints. Every save was preceded by a replica
-    check that passed, so normally nothing is newer than `last_good`; anything that is, goes aside."""
+def rewind(
+    run_dir: Path, write_event: Callable[..., None], *, tag: int, nodes: list[str]
+) -> tuple[str, tuple[str, str] | None]:
+    """Rewind after a mismatch; returns the line the supervisor prints and the (node, why) to blame: the node
+    of the process whose copies disagreed with the majority of the replicas (none when there is no majority,
+    as with two replicas: either may be the bad one). Every save was preceded by a replica check that passed,
+    so normally nothing is newer than `last_good`; anything that is, goes aside. `nodes`: each process's."""
     e = events.from_last_worker(Path(run_dir) / rundir.EVENTS, REPLICA_MISMATCH)
     if e is None:
-        return "replica mismatch reported without a replica_mismatch event: restarting from the newest checkpoint"
+        line = "replica mismatch reported without a replica_mismatch event: restarting from the newest checkpoint"
+        return line, None
     target, moved = runbook.rewind(run_dir, e["last_good"] + 1, f"replica{tag}")
-    odd = [d["device"] for d in e.get("devices", []) if d.get("odd")]
+    devices = e.get("devices", [])
+    odd = [d["device"] for d in devices if d.get("odd")]
+    odd_processes = {d["process"] for d in devices if d.get("odd")}
+    culprit = None
+    if len(odd) < len(devices) and len(odd_processes) == 1 and (p := odd_processes.pop()) < len(nodes) and nodes[p]:
+        why = f"its replica of {e.get('param')} (process {p}) disagreed with the others at step {e['step']}"
+        culprit = (nodes[p], why)
     write_event(
         REPLICA_REWIND,
         step=e["step"],
@@ -30,8 +41,10 @@ def rewind(run_dir: Path, write_event: Callable[..., None], *, tag: int) -> str:
         last_good=e["last_good"],
         param=e.get("param"),
         devices=odd,
+        **({"node": culprit[0]} if culprit else {}),
     )
-    return (
+    line = (
         f"replicas of {e.get('param')} diverged at step {e['step']} (devices {odd}): silent data corruption; "
         f"rewinding to the checkpoint at step {target}" + (f", set aside {moved}" if moved else "")
     )
+    return line, culprit

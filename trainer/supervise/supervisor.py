@@ -131,7 +131,7 @@ class Supervisor:
             why=why,
         )
         if node:
-            att.proc.hung(node, why)
+            att.proc.blame_node(node, why)
         self._dump_stacks(att)
         att.hang = True
         att.proc.send_signal(signal.SIGKILL)
@@ -264,9 +264,11 @@ class Supervisor:
                 return self._give_up(code, step, "a checkpoint could not be written", att, t0, restarts)
             reason = "hang" if att.hang else f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             if code == exit_codes.REPLICA_MISMATCH:  # silent data corruption: back to a checked state, then restart
-                print(
-                    f"supervisor: {replica_rewind.rewind(self.run_dir, self.events.write, tag=number)}", file=sys.stderr
-                )
+                nodes = [(hb or {}).get("node", "") for hb in self._heartbeats(att)]
+                line, culprit = replica_rewind.rewind(self.run_dir, self.events.write, tag=number, nodes=nodes)
+                print(f"supervisor: {line}", file=sys.stderr)
+                if culprit:
+                    att.proc.blame_node(*culprit)
                 reason = "replica mismatch"
             # A crash loop is the same step failing again and again; random faults land elsewhere. An attempt
             # whose srun step never started (its nodes still held) ran nothing: it backs off, bounded by the
