@@ -2,8 +2,9 @@
 loopback, each node with its own tmpfs at /local_scratch; needs root and SLURM's daemons, so not in run_all).
 
 1. Loss: 3 nodes (2 train + 1 spare), tiny micro config, durable checkpoint every 10 steps. The node of
-   process 1 is lost whole (slurmd, stepd, task and its tmpfs) at step 14, twice side by side: with the
-   fast tier (local save every 4 steps, each process's shards also held by the other node) and without.
+   process 1 is lost whole (slurmd, stepd, task and its tmpfs) at step 14, side by side: with the fast
+   tier (local save every 4 steps, each process's shards also held by the other node) and without; two
+   such pairs, the second reported.
    Reported: kill -> new step started, kill -> first trained step, the restore's seconds, tier and step, and
    the steps recomputed.
 2. Hangs: one job on 2 + N spare nodes; N times a random training process is frozen (SIGSTOP: a node gone
@@ -172,15 +173,21 @@ def main(argv: list[str]) -> int:
     corpus = small_corpus(work / "corpus")
     ref = work / "reference"
     run_trainer(ref, *group_overrides(corpus, *TWO))  # MICRO included
-    fast = loss(work / "fast", corpus, fast_tier=True)
-    durable = loss(work / "durable", corpus, fast_tier=False)
+    # Alternating, and the later pair reported: the first restart of each kind compiles what the later ones
+    # load from the persistent cache (a first fast-tier restart measured 51 s kill -> first step, a later 27 s).
+    pairs = [
+        (loss(work / f"fast{i}", corpus, fast_tier=True), loss(work / f"durable{i}", corpus, fast_tier=False))
+        for i in range(1 if args.quick else 2)
+    ]
+    fast, durable = pairs[-1]
     result = {
         "command": "python -m benchmarks.node_loss" + (" --quick" if args.quick else ""),
         "loss_fast_tier": fast,
         "loss_durable_only": durable,
-        "bitwise_equal_to_undisturbed": fast["params_sha256"]
-        == durable["params_sha256"]
-        == harness.summary(ref)["params_sha256"],
+        "earlier_pairs": pairs[:-1],
+        "bitwise_equal_to_undisturbed": all(
+            r["params_sha256"] == harness.summary(ref)["params_sha256"] for pair in pairs for r in pair
+        ),
         "hangs": hangs(work / "hangs", corpus, 3 if args.quick else 10),
         "machine": harness.machine(),
     }

@@ -115,7 +115,10 @@ def test_sbatch_job_survives_a_killed_task_and_a_preemption(tmp_path, tmp_path_f
     starts = [e for e in evs if e["event"] == "worker_start"]
     # The killed task's node is suspect; with no spare in a one-node allocation the step reuses it.
     assert starts[1]["suspect_nodes"] == [host] and starts[1]["nodes"] == [host] and starts[1]["processes"] == 2
-    assert any(e["event"] == "checkpoint_saved" and e["reason"] == "preempt" for e in evs)
+    (preempt_save,) = [e for e in evs if e["event"] == "checkpoint_saved" and e["reason"] == "preempt"]
+    # The requeued job resumed from exactly the checkpoint the preemption saved.
+    restores = [e for e in evs if e["event"] == "restore" and e["time"] > preempt_save["time"]]
+    assert restores and restores[0]["step"] == preempt_save["step"] and restores[0]["tier"] == "durable", restores
     assert exits[1]["exit_code"] == 75 and any(e["event"] == "preempted" for e in evs)
     assert "restart 1" in log and "supervisor exited 75" in log
     assert summary(run)["params_sha256"] == summary(ref_run)["params_sha256"]
