@@ -31,37 +31,10 @@ ROOT = harness.ROOT
 sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("TRAINER_TESTS_COMPILE_CACHE", tempfile.mkdtemp(prefix="node-loss-jax-cache-"))
 from conftest import MICRO, run_trainer, sets  # noqa: E402
-from multihost import TWO, group_overrides, small_corpus  # noqa: E402
+from multihost import TWO, at_step, group_overrides, node_of, sbatch_trainer, small_corpus  # noqa: E402
 from slurm_cluster import TERMINAL_STATES, job_state, local_slurm, lose_node, wait_job  # noqa: E402
 
 NODE_LOCAL = "/local_scratch"
-
-
-def _sbatch(env: dict, nodes: int, out: Path, args: list[str]) -> str:
-    cmd = ["sbatch", "--parsable", f"--nodes={nodes}", "--ntasks-per-node=1", "--gpus-per-task=0"]
-    cmd += ["--cpus-per-task=1", f"--chdir={ROOT}", f"--output={out}", str(ROOT / "launch" / "slurm.sbatch"), *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=30).stdout.strip()
-
-
-def _node_of(pid: int) -> str:
-    env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-    return next(v.split(b"=", 1)[1].decode() for v in env if v.startswith(b"SLURMD_NODENAME="))
-
-
-def _heartbeat(run: Path, process: int) -> dict | None:
-    from trainer.observe import heartbeat
-
-    return heartbeat.read(heartbeat.heartbeat_path(run, process))
-
-
-def _training(run: Path, process: int, step: int, alive) -> dict:
-    def ok():
-        if not alive():
-            raise harness.BenchError(f"{run}: the job ended before process {process} reached step {step}")
-        hb = _heartbeat(run, process)
-        return hb if hb and hb["phase"] == "step" and hb["step"] >= step else None
-
-    return harness.wait_for(f"process {process} at step {step}", ok, timeout=300, poll_s=0.1)
 
 
 def _of(run: Path, kind: str) -> list[dict]:
@@ -77,11 +50,11 @@ def loss(work: Path, corpus: Path, *, fast_tier: bool) -> dict:
         work / "slurm", nodes=3, cpus=2, cred_expire=5, node_local=NODE_LOCAL, node_local_mode="tmpfs"
     ) as env:
         env = dict(env, TRAINER_PYTHON=sys.executable)
-        job = _sbatch(env, 3, out, args)
+        job = sbatch_trainer(env, nodes=3, per_node=1, out=out, args=args)
         alive = lambda: job_state(job, env) not in TERMINAL_STATES  # noqa: E731
-        victim = _training(run, 1, 14, alive)
+        victim = at_step(run, 1, 14, alive)
         t_kill = time.time()
-        lose_node(env, _node_of(victim["pid"]))
+        lose_node(env, node_of(victim["pid"]))
         state = wait_job(job, env, timeout=300)
         if state != "COMPLETED":
             raise harness.BenchError(f"job {state}\n{out.read_text()[-3000:]}")
@@ -119,14 +92,14 @@ def hangs(work: Path, corpus: Path, n: int) -> dict:
         work / "slurm", nodes=n + 2, cpus=2, cred_expire=5, node_local=NODE_LOCAL, node_local_mode="tmpfs"
     ) as env:
         env = dict(env, TRAINER_PYTHON=sys.executable)
-        job = _sbatch(env, n + 2, out, args)
+        job = sbatch_trainer(env, nodes=n + 2, per_node=1, out=out, args=args)
         alive = lambda: job_state(job, env) not in TERMINAL_STATES  # noqa: E731
         step = 4
         for k in range(n):
             harness.wait_for("the attempt", lambda k=k: len(_of(run, "worker_start")) == k + 1, timeout=300, poll_s=0.2)
             victim_process = rng.randrange(2)
-            hb = [_training(run, p, step, alive) for p in (0, 1)][victim_process]
-            frozen = _node_of(hb["pid"])
+            hb = [at_step(run, p, step, alive) for p in (0, 1)][victim_process]
+            frozen = node_of(hb["pid"])
             os.kill(hb["pid"], signal.SIGSTOP)
             t0 = time.time()
             hang = harness.wait_for(
@@ -147,7 +120,7 @@ def hangs(work: Path, corpus: Path, n: int) -> dict:
             )
             step = hb["step"] + 3
         harness.wait_for("the last restart", lambda: len(_of(run, "worker_start")) == n + 1, timeout=300, poll_s=0.2)
-        _training(run, 0, step, alive)
+        at_step(run, 0, step, alive)
         subprocess.run(["scontrol", "requeue", job], env=env, check=True, timeout=30)
         state = wait_job(job, env, timeout=900)
         if state != "COMPLETED":

@@ -89,3 +89,18 @@ def audit(run: Path, *args: str) -> dict:
     )
     assert p.returncode == 0, p.stdout + p.stderr
     return json.loads(p.stdout)
+
+
+def sbatch_trainer(env: dict[str, str], *, nodes: int, per_node: int, out: Path, args: list[str]) -> str:
+    """Submit launch/slurm.sbatch running `python -m trainer <args>` to a loopback cluster (tests/slurm_cluster.py),
+    one core and no GPU per task (the job script asks for a GPU node's GPUs and cores); the job id."""
+    cmd = ["sbatch", "--parsable", f"--nodes={nodes}", f"--ntasks={nodes * per_node}", f"--ntasks-per-node={per_node}"]
+    cmd += ["--gpus-per-task=0", "--cpus-per-task=1", f"--chdir={ROOT}", f"--output={out}"]
+    cmd += [str(ROOT / "launch" / "slurm.sbatch"), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+
+
+def node_of(pid: int) -> str:
+    """The SLURM node a task runs on (its SLURMD_NODENAME), read from outside."""
+    env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    return next(v.split(b"=", 1)[1].decode() for v in env if v.startswith(b"SLURMD_NODENAME="))

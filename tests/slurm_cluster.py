@@ -136,6 +136,24 @@ def slurm_available() -> bool:
     return all(_which(b) for b in SLURM_BINARIES)
 
 
+JOB_ID_BLOCK = 100  # job ids (and so coordinator ports) a cluster may use before the next one's start
+
+
+def _first_job_id() -> int:
+    """The next free block of job ids on this machine, under a lock (clusters start in parallel test workers)."""
+    import fcntl
+
+    with open("/tmp/local_slurm_job_ids", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        last = int(f.read().strip() or 0)
+        first = last + JOB_ID_BLOCK if last + 2 * JOB_ID_BLOCK < 19000 else JOB_ID_BLOCK
+        f.seek(0)
+        f.truncate()
+        f.write(str(first))
+    return first
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -318,6 +336,10 @@ def _write_conf(
         "JobRequeue=1",
         "KillWait=2",
         "MinJobAge=3600",
+        # Job ids unique across the clusters of one machine: a job's services derive ports from its id (the
+        # trainer's jax coordinator: 20000 + id + attempt), and two clusters both starting at job 1 would
+        # hand two jobs the same port on 127.0.0.1.
+        f"FirstJobId={_first_job_id()}",
         "InactiveLimit=0",
         "Waittime=0",
         f"MessageTimeout={message_timeout}",

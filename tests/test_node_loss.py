@@ -21,7 +21,7 @@ import time
 
 import pytest
 from conftest import MICRO, ROOT, TINY, events, sets, step_losses, summary
-from multihost import TWO, at_step, audit, group_overrides, reference, wait_for
+from multihost import TWO, at_step, audit, group_overrides, node_of, reference, sbatch_trainer, wait_for
 from slurm_cluster import TERMINAL_STATES, job_state, local_slurm, lose_node, node_states, wait_job
 from test_slurm_job import _require_slurm
 
@@ -29,11 +29,6 @@ pytestmark = pytest.mark.slow  # trains end to end (fast loop: -m 'not slow')
 
 SLURMD_TIMEOUT, MESSAGE_TIMEOUT = 5, 3  # SLURM itself notices a lost node after about 11-13 s
 NODE_LOCAL = "/local_scratch"
-
-
-def _node_of(pid: int) -> str:
-    env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-    return next(v.split(b"=", 1)[1].decode() for v in env if v.startswith(b"SLURMD_NODENAME="))
 
 
 def test_lost_node_is_replaced_by_the_spare_and_the_run_is_bitwise_undisturbed(tmp_path, tmp_path_factory):
@@ -69,29 +64,11 @@ def test_lost_node_is_replaced_by_the_spare_and_the_run_is_bitwise_undisturbed(t
                 "faults=[{kind: slow, step: 12, seconds: 0.3, count: 10}]",
             ),
         ]
-        job = subprocess.run(
-            [
-                "sbatch",
-                "--parsable",
-                "--nodes=3",
-                "--ntasks-per-node=1",
-                "--gpus-per-task=0",
-                "--cpus-per-task=1",
-                f"--chdir={ROOT}",
-                f"--output={out}",
-                str(ROOT / "launch" / "slurm.sbatch"),
-                *args,
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=30,
-        ).stdout.strip()
+        job = sbatch_trainer(env, nodes=3, per_node=1, out=out, args=args)
         alive = lambda: job_state(job, env) not in TERMINAL_STATES
 
         victim = at_step(run, 1, 14, alive)  # past the checkpoint at step 10
-        lost = _node_of(victim["pid"])
+        lost = node_of(victim["pid"])
         t_kill = time.time()
         lose_node(env, lost)  # no scontrol DOWN: SLURM notices only SlurmdTimeout later
         state = wait_job(job, env, timeout=300)
@@ -174,19 +151,11 @@ def test_a_frozen_node_is_the_one_blamed_and_a_requeued_job_still_avoids_it(tmp_
     cluster = dict(nodes=3, cpus=2, cred_expire=5, slurmd_timeout=SLURMD_TIMEOUT, message_timeout=MESSAGE_TIMEOUT)
     with local_slurm(tmp_path / "slurm", **cluster) as env:
         env = dict(env, TRAINER_PYTHON=sys.executable)
-        job = subprocess.run(
-            ["sbatch", "--parsable", "--nodes=3", "--ntasks-per-node=1", "--gpus-per-task=0", "--cpus-per-task=1"]
-            + [f"--chdir={ROOT}", f"--output={out}", str(ROOT / "launch" / "slurm.sbatch"), *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=30,
-        ).stdout.strip()
+        job = sbatch_trainer(env, nodes=3, per_node=1, out=out, args=args)
         alive = lambda: job_state(job, env) not in TERMINAL_STATES
 
         victim = at_step(run, victim_process, 13, alive)
-        frozen = _node_of(victim["pid"])
+        frozen = node_of(victim["pid"])
         os.kill(victim["pid"], signal.SIGSTOP)
         # The step after the hang is training on the other two nodes; then an operator requeues the job.
         wait_for(lambda: len([e for e in events(run) if e["event"] == "worker_start"]) == 2, 120, "the restart")
@@ -208,3 +177,71 @@ def test_a_frozen_node_is_the_one_blamed_and_a_requeued_job_still_avoids_it(tmp_
     assert len({e["pid"] for e in evs if e["event"] == "supervisor_start"}) == 2  # the requeued job's own
     assert summary(run)["params_sha256"] == summary(ref_run)["params_sha256"]
     print(f"hang: process {victim_process} frozen on {frozen} at step {victim['step']}; {hang['why']}")
+
+
+def test_with_no_spare_the_job_shrinks_and_regrows_when_the_node_is_trusted_again(tmp_path, tmp_path_factory):
+    """Two nodes, no spare, launch.min_processes=1. Process 1's task is killed (its node stays up): that node
+    is the suspect, so the group shrinks to the survivor (one process, twice the microbatches: same global
+    batch, same batches per step). After launch.suspect_retry_minutes the node is trusted again: the shrunk
+    group saves, stops and restarts at full size. The data order is exactly the undisturbed run's; the
+    numbers differ only by the accumulation order."""
+    import jax
+    import numpy as np
+
+    from trainer.core import weights
+    from trainer.observe import pick
+
+    _require_slurm()
+    ref_run, corpus = reference(tmp_path_factory)
+    run, out = tmp_path / "run", tmp_path / "job.out"
+    args = [
+        "--config",
+        TINY,
+        *sets(
+            *MICRO,
+            f"run.dir={run}",
+            *group_overrides(corpus, *TWO),
+            "launch.processes_per_node=1",
+            "launch.min_processes=1",
+            "launch.suspect_retry_minutes=0.1",
+            "mesh.data=-1",  # the mesh follows the devices: 2x2x2 on two processes, 1x2x2 on one
+            "faults=[{kind: slow, step: 12, seconds: 1.0, count: 18}]",
+        ),
+    ]
+    cluster = dict(nodes=2, cpus=2, cred_expire=5, slurmd_timeout=SLURMD_TIMEOUT, message_timeout=MESSAGE_TIMEOUT)
+    with local_slurm(tmp_path / "slurm", **cluster) as env:
+        env = dict(env, TRAINER_PYTHON=sys.executable)
+        job = sbatch_trainer(env, nodes=2, per_node=1, out=out, args=args)
+        alive = lambda: job_state(job, env) not in TERMINAL_STATES
+        victim = at_step(run, 1, 13, alive)
+        blamed = node_of(victim["pid"])
+        os.kill(victim["pid"], signal.SIGKILL)
+        state = wait_job(job, env, timeout=400)
+        log = out.read_text()
+        assert state == "COMPLETED", log[-3000:]
+
+    evs = events(run)
+    starts = [e for e in evs if e["event"] == "worker_start"]
+    assert [s["processes"] for s in starts] == [2, 1, 2], starts
+    assert blamed not in starts[1]["nodes"] and blamed in starts[2]["nodes"], starts
+    assert [e["node"] for e in evs if e["event"] == "node_suspect"] == [blamed]
+    assert [e["node"] for e in evs if e["event"] == "node_retried"] == [blamed]
+    shrunk = [e["step"] for e in evs if e["event"] == "step" and starts[1]["time"] < e["time"] < starts[2]["time"]]
+    assert shrunk, "the shrunk group trained no step"
+    (regrow,) = [e for e in evs if e["event"] == "regrow"]
+    assert (regrow["processes"], regrow["to"]) == (1, 2), regrow
+    # The regrow is a save, not a loss: the full-size group restored exactly the checkpoint the shrunk one saved.
+    saved = [e for e in evs if e["event"] == "checkpoint_saved" and e["time"] < starts[2]["time"]][-1]
+    restored = next(e for e in evs if e["event"] == "restore" and e["time"] > starts[2]["time"])
+    assert saved["reason"] == "preempt" and restored["step"] == saved["step"], (saved, restored)
+    st = audit(run, "--compare", str(ref_run))
+    assert st["process_counts"] == [1, 2] and st["compared_steps"] == 30, st
+    losses, ref_losses = step_losses(run), step_losses(ref_run)
+    worst = max(abs(v - ref_losses[k][0]) / abs(ref_losses[k][0]) for k, vs in losses.items() for v in vs)
+    assert sorted(losses) == sorted(ref_losses) and worst < 1e-4, worst
+    final = [weights.on_cpu(pick.Picked(30, r / "checkpoints" / "30", r, True)).params for r in (run, ref_run)]
+    diffs = [float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(*map(jax.tree.leaves, final))]
+    print(
+        f"shrink and regrow: steps {shrunk} on one process; worst relative loss difference {worst:.2e}, "
+        f"largest param difference {max(diffs):.2e}"
+    )

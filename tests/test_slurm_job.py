@@ -18,8 +18,8 @@ import textwrap
 import time
 
 import pytest
-from conftest import MICRO, ROOT, TINY, events, sets, summary
-from multihost import TWO, at_step, audit, group_overrides, reference
+from conftest import MICRO, TINY, events, sets, summary
+from multihost import TWO, at_step, audit, group_overrides, reference, sbatch_trainer
 from slurm_cluster import (
     TERMINAL_STATES,
     cluster_pids,
@@ -71,26 +71,7 @@ def test_sbatch_job_survives_a_killed_task_and_a_preemption(tmp_path, tmp_path_f
     with local_slurm(tmp_path / "slurm", cpus=4, cred_expire=5) as env:
         env = dict(env, TRAINER_PYTHON=sys.executable)
         # The job script asks for a GPU node's GPUs and cores: this loopback node has neither.
-        job = subprocess.run(
-            [
-                "sbatch",
-                "--parsable",
-                "--nodes=1",
-                "--ntasks=2",
-                "--ntasks-per-node=2",
-                "--gpus-per-task=0",
-                "--cpus-per-task=1",
-                f"--chdir={ROOT}",
-                f"--output={out}",
-                str(ROOT / "launch" / "slurm.sbatch"),
-                *args,
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=30,
-        ).stdout.strip()
+        job = sbatch_trainer(env, nodes=1, per_node=2, out=out, args=args)
         alive = lambda: job_state(job, env) not in TERMINAL_STATES
 
         victim = at_step(run, 1, 14, alive)  # task 1, past the checkpoint at step 10

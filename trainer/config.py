@@ -186,6 +186,7 @@ class LaunchConfig:
     mode: str = "local"  # local: N subprocesses on this machine | slurm: one srun step on the allocation
     processes_per_node: int = 1  # slurm: tasks per node (several emulate hosts on one node)
     min_processes: int = 0  # slurm: with no spare node left, shrink down to this many (0 = never shrink)
+    suspect_retry_minutes: float = 0.0  # slurm: retry a suspect SLURM says is up after this long; shrunk: regrow
     coordinator_port: int = 0  # 0 = local: a free port, slurm: from the job id; the attempt number is added
     init_timeout_s: int = 300  # how long processes wait for each other in jax.distributed.initialize
     exit_grace_s: float = 30.0  # after one process exits cleanly, how long the others get to follow
@@ -385,6 +386,8 @@ def _validate_launch(lc: LaunchConfig) -> None:
             f"launch.processes ({lc.processes}) must be a multiple of launch.processes_per_node"
             f" ({lc.processes_per_node})"
         )
+    if lc.suspect_retry_minutes < 0:
+        raise ConfigError(f"launch.suspect_retry_minutes must be >= 0, got {lc.suspect_retry_minutes}")
     if not 0 <= lc.min_processes <= lc.processes:
         raise ConfigError(
             f"launch.min_processes must be in [0, launch.processes={lc.processes}], got {lc.min_processes}"

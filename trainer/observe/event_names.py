@@ -41,6 +41,8 @@ HANG_DETECTED = "hang_detected"
 STACKS_DUMPED = "stacks_dumped"
 RESTART = "restart"
 NODE_SUSPECT = "node_suspect"  # a SLURM node blamed for a failure (node, reason); later steps avoid it
+NODE_RETRIED = "node_retried"  # a suspect node tried again (launch.suspect_retry_minutes passed, SLURM says it is up)
+REGROW = "regrow"  # a shrunk group saved and stopped to restart at full size on nodes that came back
 GAVE_UP = "gave_up"
 REPLICA_REWIND = "replica_rewind"
 # the spike runbook's: its actions skip and soften are recorded under the same names in runbook.json

@@ -7,13 +7,11 @@ supervisor's policy does not care how many processes there are. Never imports ja
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import signal
 import socket
 import subprocess
-import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -22,6 +20,7 @@ from pathlib import Path
 from trainer.config import ConfigError, LaunchConfig
 from trainer.observe import env_vars, rundir
 from trainer.supervise import exit_codes, membership
+from trainer.supervise.group import CONTROLLED, PEERS_FOLLOW, Group, Merged, spawn
 from trainer.supervise.nodes import (
     NODE_FAILURE,
     TASK_ERROR,
@@ -34,106 +33,6 @@ from trainer.supervise.nodes import (
     write_suspects,
 )
 
-PR_SET_PDEATHSIG = 1
-# Exits the worker chose (under SLURM: its node is not suspect); anything else means the group is broken.
-CONTROLLED = (
-    exit_codes.OK,
-    exit_codes.CONFIG,
-    exit_codes.PREEMPTED,
-    exit_codes.SPIKE,
-    exit_codes.REPLICA_MISMATCH,
-    exit_codes.STORAGE,
-)
-# Exits every process makes at the same step, so the peers follow by themselves (within exit_grace_s).
-# A CONFIG exit is not one: it may be one process's start-up failure while the others wait for it; nor is a
-# STORAGE exit: the process whose save failed leaves at once.
-PEERS_FOLLOW = (exit_codes.OK, exit_codes.PREEMPTED, exit_codes.SPIKE, exit_codes.REPLICA_MISMATCH)
-
-
-def die_with_parent() -> None:
-    """In the child: the kernel sends SIGKILL when the supervisor dies, even by SIGKILL."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def _spawn(argv: list[str], env: Mapping[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=dict(env),
-        preexec_fn=die_with_parent,
-        start_new_session=True,
-    )
-
-
-class _Merged:
-    """The outputs of several processes as one stream of lines, labelled like `srun --label`."""
-
-    def __init__(self, streams: list, *, label: bool, on_line=None):
-        self._lines: list[bytes] = []
-        self._cond = threading.Condition()
-        self._open = len(streams)
-        self._on_line = on_line
-        for i, s in enumerate(streams):
-            threading.Thread(target=self._read, args=(s, f"{i}: ".encode() if label else b""), daemon=True).start()
-
-    def _read(self, stream, prefix: bytes) -> None:
-        for raw in iter(stream.readline, b""):
-            if self._on_line:
-                self._on_line(raw.decode(errors="replace"))
-            with self._cond:
-                self._lines.append(prefix + raw)
-                self._cond.notify()
-        with self._cond:
-            self._open -= 1
-            self._cond.notify()
-
-    def readline(self) -> bytes:
-        """Next line of any process; b"" once every stream has ended."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._lines or not self._open)
-            return self._lines.pop(0) if self._lines else b""
-
-
-class Group:
-    """The processes of one attempt, behaving like one Popen."""
-
-    processes: int
-    nodes: list[str]
-    launch_id: str
-    pid: int
-    stdout: _Merged
-    returncode: int | None = None
-
-    def poll(self) -> int | None:
-        raise NotImplementedError
-
-    def send_signal(self, sig: int) -> None:
-        raise NotImplementedError
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired("worker group", timeout)
-            time.sleep(0.05)
-        return code
-
-    def describe(self) -> dict:
-        return {"processes": self.processes, **({"nodes": self.nodes} if self.nodes else {})}
-
-    def blame_node(self, node: str, why: str) -> None:
-        """The supervisor found what `node` did wrong (its process froze, its replica diverged): the one to
-        blame for this attempt's end, whatever srun reports about the kill that followed."""
-
-    def describe_exit(self) -> dict:
-        """For the worker_exit event: which process or node failed first."""
-        return {}
-
-    def worker_pids(self) -> list[int]:
-        """Worker pids on this machine, where known."""
-        return []
-
 
 class LocalGroup(Group):
     """N worker processes on this machine; process 0 hosts the jax coordinator on a local port."""
@@ -145,11 +44,11 @@ class LocalGroup(Group):
         if processes > 1:
             base.update({env_vars.NUM_PROCESSES: str(processes), env_vars.COORDINATOR: f"127.0.0.1:{port}"})
         self.procs = [
-            _spawn(argv, dict(base, **({env_vars.PROCESS_ID: str(i)} if processes > 1 else {})))
+            spawn(argv, dict(base, **({env_vars.PROCESS_ID: str(i)} if processes > 1 else {})))
             for i in range(processes)
         ]
         self.pid = self.procs[0].pid
-        self.stdout = _Merged([p.stdout for p in self.procs], label=processes > 1)
+        self.stdout = Merged([p.stdout for p in self.procs], label=processes > 1)
         self._exits: list[tuple[int, int]] = []  # (process, code) in the order we saw them
         self._killed: set[int] = set()  # processes we tore down: their codes are consequences, not causes
         self._first_exit_t = 0.0
@@ -223,9 +122,9 @@ class SrunGroup(Group):
         self.blocked: str = ""  # srun's line saying the step cannot be created (yet)
         self._blocked_t = 0.0
         self._peer_lost_t = 0.0
-        self._proc = _spawn(cmd, env)
+        self._proc = spawn(cmd, env)
         self.pid = self._proc.pid
-        self.stdout = _Merged([self._proc.stdout], label=False, on_line=self._watch)
+        self.stdout = Merged([self._proc.stdout], label=False, on_line=self._watch)
         self._step = ""
         self._killing = False
         self._blamed: list[tuple[str, str]] = []
@@ -350,6 +249,7 @@ class Launcher:
         self.cfg = cfg
         self.suspects: dict[str, dict] = {}  # node -> {"reason", "time", "job"}
         self.new_suspects: list[tuple[str, str]] = []  # (node, reason) found by the latest start(), for events
+        self.retried: list[str] = []  # suspects the latest start() used again (launch.suspect_retry_minutes)
         self._last: Group | None = None
         self.allocated: list[str] = []
         self._file = Path(run_dir) / rundir.SUSPECT_NODES if run_dir is not None else None
@@ -382,17 +282,15 @@ class Launcher:
         if isinstance(self._last, SrunGroup):
             for node, why in self._last.blame():
                 self._suspect(node, why)
-        for node, state in down_nodes(self.allocated).items():
+        down = down_nodes(self.allocated)
+        for node, state in down.items():
             self._suspect(node, f"SLURM reports it {state}")
-        if self.new_suspects and self._file:
+        nodes, n, avoid = self._plan(set(down))
+        self.retried = [node for node in nodes if node in self.suspects and node not in avoid]
+        for node in self.retried:  # its retry time came and SLURM says it is up: trusted again
+            del self.suspects[node]
+        if (self.new_suspects or self.retried) and self._file:
             write_suspects(self._file, self.suspects)
-        nodes, n = plan_nodes(
-            self.allocated,
-            set(self.suspects),
-            processes=self.cfg.processes,
-            per_node=self.cfg.processes_per_node,
-            min_processes=self.cfg.min_processes,
-        )
         launch_id = f"trainer-{uuid.uuid4().hex[:8]}"
         env.update(
             {env_vars.LAUNCH_ID: launch_id, env_vars.COORDINATOR_PORT: str(membership.slurm_port(self.cfg, env))}
@@ -400,6 +298,32 @@ class Launcher:
         cmd = srun_command(argv, nodes=nodes, processes=n, per_node=self.cfg.processes_per_node, launch_id=launch_id)
         self._last = SrunGroup(cmd, env, processes=n, nodes=nodes, launch_id=launch_id, job_id=self.job)
         return self._last
+
+    def _plan(self, down: set[str]) -> tuple[list[str], int, set[str]]:
+        """plan_nodes avoiding the suspects, but those launch.suspect_retry_minutes old that SLURM says are up;
+        and the set avoided (plan_nodes may still fall back on it: a lost process is not a lost node)."""
+        retry_s, now = 60 * self.cfg.suspect_retry_minutes, time.time()
+        avoid = {n for n, s in self.suspects.items() if not retry_s or now - s["time"] < retry_s or n in down}
+        c = self.cfg
+        return (
+            *plan_nodes(
+                self.allocated,
+                avoid,
+                processes=c.processes,
+                per_node=c.processes_per_node,
+                min_processes=c.min_processes,
+            ),
+            avoid,
+        )
+
+    def can_regrow(self) -> bool:
+        """The group runs shrunk and a full-size one could start now (suspects due for a retry count)."""
+        shrunk = isinstance(self._last, SrunGroup) and self._last.processes < self.cfg.processes
+        return (
+            shrunk
+            and bool(self.cfg.suspect_retry_minutes)
+            and self._plan(set(down_nodes(self.allocated)))[1] == self.cfg.processes
+        )
 
     def describe(self) -> dict:
         """For the worker_start event: where this attempt runs, and which nodes it avoided."""

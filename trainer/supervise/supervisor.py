@@ -25,8 +25,10 @@ from trainer.observe.event_names import (
     ALERT_CLEARED,
     GAVE_UP,
     HANG_DETECTED,
+    NODE_RETRIED,
     NODE_SUSPECT,
     PREEMPTED,
+    REGROW,
     RESTART,
     RUN_COMPLETE,
     STACKS_DUMPED,
@@ -35,17 +37,21 @@ from trainer.observe.event_names import (
     WORKER_START,
 )
 from trainer.observe.events import EventLog, read_events
-from trainer.supervise import exit_codes, launcher, replica_rewind, runbook
+from trainer.supervise import exit_codes, group, launcher, replica_rewind, runbook
 from trainer.supervise.noise import is_library_noise
 
 
 @dataclass
 class Attempt:
     number: int
-    proc: launcher.Group  # all worker processes of this attempt, behaving like one Popen
+    proc: group.Group  # all worker processes of this attempt, behaving like one Popen
     started: float
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=30))
     hang: bool = False
+
+
+# How often a shrunk group checks whether it can regrow (launch.suspect_retry_minutes).
+REGROW_CHECK_S = 10.0
 
 
 class Supervisor:
@@ -59,6 +65,8 @@ class Supervisor:
         self.accepted = False  # the worker got past config validation at least once
         self.launcher = launcher.Launcher(cfg.launch, run_dir=self.run_dir)
         self.overdue: tuple | None = None  # (pid, heartbeat time) of the silence a step_overdue alert is about
+        self.regrow = False  # the running group was asked to save and stop so that it restarts at full size
+        self._regrow_checked = 0.0
 
     # --- worker lifecycle -------------------------------------------------------------------
     def _start(self, number: int) -> Attempt:
@@ -67,6 +75,8 @@ class Supervisor:
         proc = self.launcher.start(number, self.worker_argv, env)
         for node, reason in self.launcher.new_suspects:
             self.events.write(NODE_SUSPECT, step=_last_step(self.run_dir), node=node, reason=reason)
+        for node in self.launcher.retried:
+            self.events.write(NODE_RETRIED, step=_last_step(self.run_dir), node=node)
         att = Attempt(number, proc, time.time())
         threading.Thread(target=self._pump, args=(att, log_dir), daemon=True).start()
         self.events.write(WORKER_START, pid=proc.pid, attempt=number, **self.launcher.describe())
@@ -209,6 +219,18 @@ class Supervisor:
                 self.stop_signal = -1  # forwarded once; now wait for the save
             if self.accepted and self._check_hang(att):
                 return att.proc.wait()
+            self._maybe_regrow(att)
+
+    def _maybe_regrow(self, att: Attempt) -> None:
+        """A shrunk group whose lost capacity is back is asked to save and stop (as on a preemption), then
+        restarted at full size. Checked every REGROW_CHECK_S (sinfo is a call to slurmctld)."""
+        if self.regrow or not self.accepted or time.time() - self._regrow_checked < REGROW_CHECK_S:
+            return
+        self._regrow_checked = time.time()
+        if self.launcher.can_regrow():
+            self.regrow = True
+            print("supervisor: nodes are back: saving to restart at full size", file=sys.stderr)
+            att.proc.send_signal(signal.SIGTERM)
 
     # --- policy -----------------------------------------------------------------------------
     def run(self) -> int:
@@ -242,6 +264,10 @@ class Supervisor:
             self.accepted = True
             if code == exit_codes.OK:
                 return self._complete(t0, restarts)
+            if code == exit_codes.PREEMPTED and self.regrow and self.stop_signal is None:
+                self.regrow = False
+                self.events.write(REGROW, step=step, processes=att.proc.processes, to=self.cfg.launch.processes)
+                continue
             if code == exit_codes.PREEMPTED or self.stop_signal is not None:
                 self.events.write(PREEMPTED, step=step)
                 print(

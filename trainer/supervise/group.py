@@ -1,0 +1,116 @@
+"""What every attempt's group of worker processes is: a subprocess.Popen look-alike for the supervisor
+(pid, stdout, wait, poll, send_signal), its processes' output as one labelled stream, the spawn that ties a
+child's life to the supervisor's, and which exit codes the workers chose. The kinds of group:
+trainer.supervise.launcher. Never imports jax.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Mapping
+
+from trainer.supervise import exit_codes
+
+PR_SET_PDEATHSIG = 1
+# Exits the worker chose (under SLURM: its node is not suspect); anything else means the group is broken.
+CONTROLLED = (
+    exit_codes.OK,
+    exit_codes.CONFIG,
+    exit_codes.PREEMPTED,
+    exit_codes.SPIKE,
+    exit_codes.REPLICA_MISMATCH,
+    exit_codes.STORAGE,
+)
+# Exits every process makes at the same step, so the peers follow by themselves (within exit_grace_s).
+# A CONFIG exit is not one: it may be one process's start-up failure while the others wait for it; nor is a
+# STORAGE exit: the process whose save failed leaves at once.
+PEERS_FOLLOW = (exit_codes.OK, exit_codes.PREEMPTED, exit_codes.SPIKE, exit_codes.REPLICA_MISMATCH)
+
+
+def die_with_parent() -> None:
+    """In the child: the kernel sends SIGKILL when the supervisor dies, even by SIGKILL."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def spawn(argv: list[str], env: Mapping[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=dict(env),
+        preexec_fn=die_with_parent,
+        start_new_session=True,
+    )
+
+
+class Merged:
+    """The outputs of several processes as one stream of lines, labelled like `srun --label`."""
+
+    def __init__(self, streams: list, *, label: bool, on_line=None):
+        self._lines: list[bytes] = []
+        self._cond = threading.Condition()
+        self._open = len(streams)
+        self._on_line = on_line
+        for i, s in enumerate(streams):
+            threading.Thread(target=self._read, args=(s, f"{i}: ".encode() if label else b""), daemon=True).start()
+
+    def _read(self, stream, prefix: bytes) -> None:
+        for raw in iter(stream.readline, b""):
+            if self._on_line:
+                self._on_line(raw.decode(errors="replace"))
+            with self._cond:
+                self._lines.append(prefix + raw)
+                self._cond.notify()
+        with self._cond:
+            self._open -= 1
+            self._cond.notify()
+
+    def readline(self) -> bytes:
+        """Next line of any process; b"" once every stream has ended."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._lines or not self._open)
+            return self._lines.pop(0) if self._lines else b""
+
+
+class Group:
+    """The processes of one attempt, behaving like one Popen."""
+
+    processes: int
+    nodes: list[str]
+    launch_id: str
+    pid: int
+    stdout: Merged
+    returncode: int | None = None
+
+    def poll(self) -> int | None:
+        raise NotImplementedError
+
+    def send_signal(self, sig: int) -> None:
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired("worker group", timeout)
+            time.sleep(0.05)
+        return code
+
+    def describe(self) -> dict:
+        return {"processes": self.processes, **({"nodes": self.nodes} if self.nodes else {})}
+
+    def blame_node(self, node: str, why: str) -> None:
+        """The supervisor found what `node` did wrong (its process froze, its replica diverged): the one to
+        blame for this attempt's end, whatever srun reports about the kill that followed."""
+
+    def describe_exit(self) -> dict:
+        """For the worker_exit event: which process or node failed first."""
+        return {}
+
+    def worker_pids(self) -> list[int]:
+        """Worker pids on this machine, where known."""
+        return []
