@@ -30,8 +30,8 @@ from benchmarks import harness
 ROOT = harness.ROOT
 sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("TRAINER_TESTS_COMPILE_CACHE", tempfile.mkdtemp(prefix="node-loss-jax-cache-"))
-from conftest import MICRO, run_trainer, sets  # noqa: E402
-from multihost import TWO, at_step, group_overrides, node_of, sbatch_trainer, small_corpus  # noqa: E402
+from conftest import run_trainer  # noqa: E402
+from multihost import TWO, at_step, group_overrides, job_args, node_of, sbatch_trainer, small_corpus  # noqa: E402
 from slurm_cluster import TERMINAL_STATES, job_state, local_slurm, lose_node, wait_job  # noqa: E402
 
 NODE_LOCAL = "/local_scratch"
@@ -44,8 +44,9 @@ def _of(run: Path, kind: str) -> list[dict]:
 def loss(work: Path, corpus: Path, *, fast_tier: bool) -> dict:
     run, out = work / ("run-fast" if fast_tier else "run-durable"), work / "job.out"
     tier = ["checkpoint.local_dir=/local_scratch/ckpt", "checkpoint.local_every_steps=4"] if fast_tier else []
-    args = ["--config", harness.TINY, *sets(*MICRO, f"run.dir={run}", *group_overrides(corpus, *TWO), *tier)]
-    args += sets("launch.processes_per_node=1", "faults=[{kind: slow, step: 12, seconds: 0.3, count: 10}]")
+    args = job_args(
+        run, corpus, *tier, "launch.processes_per_node=1", "faults=[{kind: slow, step: 12, seconds: 0.3, count: 10}]"
+    )
     with local_slurm(
         work / "slurm", nodes=3, cpus=2, cred_expire=5, node_local=NODE_LOCAL, node_local_mode="tmpfs"
     ) as env:
@@ -76,8 +77,9 @@ def loss(work: Path, corpus: Path, *, fast_tier: bool) -> dict:
 
 def hangs(work: Path, corpus: Path, n: int) -> dict:
     run, out = work / "run-hangs", work / "hangs.out"
-    args = ["--config", harness.TINY, *sets(*MICRO, f"run.dir={run}", *group_overrides(corpus, *TWO))]
-    args += sets(
+    args = job_args(
+        run,
+        corpus,
         "launch.processes_per_node=1",
         "supervisor.step_timeout_s=10",
         "supervisor.max_restarts=40",

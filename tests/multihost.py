@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import ROOT, built_once, run_trainer
+from conftest import MICRO, ROOT, TINY, built_once, run_trainer, sets
 
 # A corpus of ~140 windows of 65 tokens: 30 steps x 16 sequences cross three epoch boundaries, so the
 # audit proves exactly-once per epoch, not just "no repeats in 2% of an epoch".
@@ -104,3 +104,9 @@ def node_of(pid: int) -> str:
     """The SLURM node a task runs on (its SLURMD_NODENAME), read from outside."""
     env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
     return next(v.split(b"=", 1)[1].decode() for v in env if v.startswith(b"SLURMD_NODENAME="))
+
+
+def job_args(run: Path, corpus: Path, *more: str) -> list[str]:
+    """`python -m trainer` arguments for a SLURM job of the 2-process micro run (launch/slurm.sbatch adds
+    launch.mode=slurm): the reference's config, into `run`, plus `more`."""
+    return ["--config", TINY, *sets(*MICRO, f"run.dir={run}", *group_overrides(corpus, *TWO), *more)]

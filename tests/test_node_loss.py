@@ -20,8 +20,8 @@ import sys
 import time
 
 import pytest
-from conftest import MICRO, ROOT, TINY, events, sets, step_losses, summary
-from multihost import TWO, at_step, audit, group_overrides, node_of, reference, sbatch_trainer, wait_for
+from conftest import ROOT, events, step_losses, summary
+from multihost import at_step, audit, job_args, node_of, reference, sbatch_trainer, wait_for
 from slurm_cluster import TERMINAL_STATES, job_state, local_slurm, lose_node, node_states, wait_job
 from test_slurm_job import _require_slurm
 
@@ -51,19 +51,14 @@ def test_lost_node_is_replaced_by_the_spare_and_the_run_is_bitwise_undisturbed(t
         # (where namespaces cannot mount) a folder per node named through {node}.
         tmpfs = env["LOCAL_SLURM_NODE_LOCAL_MODE"] == "tmpfs"
         local = f"{NODE_LOCAL}/ckpt" if tmpfs else f"{tmp_path / 'slurm'}/nodes/{{node}}/local"
-        args = [
-            "--config",
-            TINY,
-            *sets(
-                *MICRO,
-                f"run.dir={run}",
-                *group_overrides(corpus, *TWO),
-                "launch.processes_per_node=1",
-                f"checkpoint.local_dir={local}",
-                "checkpoint.local_every_steps=4",  # durable every 10 (MICRO)
-                "faults=[{kind: slow, step: 12, seconds: 0.3, count: 10}]",
-            ),
-        ]
+        args = job_args(
+            run,
+            corpus,
+            "launch.processes_per_node=1",
+            f"checkpoint.local_dir={local}",
+            "checkpoint.local_every_steps=4",  # durable every 10 (MICRO)
+            "faults=[{kind: slow, step: 12, seconds: 0.3, count: 10}]",
+        )
         job = sbatch_trainer(env, nodes=3, per_node=1, out=out, args=args)
         alive = lambda: job_state(job, env) not in TERMINAL_STATES
 
@@ -136,18 +131,13 @@ def test_a_frozen_node_is_the_one_blamed_and_a_requeued_job_still_avoids_it(tmp_
     ref_run, corpus = reference(tmp_path_factory)
     run, out = tmp_path / "run", tmp_path / "job.out"
     victim_process = random.randrange(2)
-    args = [
-        "--config",
-        TINY,
-        *sets(
-            *MICRO,
-            f"run.dir={run}",
-            *group_overrides(corpus, *TWO),
-            "launch.processes_per_node=1",
-            "supervisor.step_timeout_s=10",
-            "faults=[{kind: slow, step: 12, seconds: 0.3, count: 18}]",
-        ),
-    ]
+    args = job_args(
+        run,
+        corpus,
+        "launch.processes_per_node=1",
+        "supervisor.step_timeout_s=10",
+        "faults=[{kind: slow, step: 12, seconds: 0.3, count: 18}]",
+    )
     cluster = dict(nodes=3, cpus=2, cred_expire=5, slurmd_timeout=SLURMD_TIMEOUT, message_timeout=MESSAGE_TIMEOUT)
     with local_slurm(tmp_path / "slurm", **cluster) as env:
         env = dict(env, TRAINER_PYTHON=sys.executable)
@@ -194,20 +184,15 @@ def test_with_no_spare_the_job_shrinks_and_regrows_when_the_node_is_trusted_agai
     _require_slurm()
     ref_run, corpus = reference(tmp_path_factory)
     run, out = tmp_path / "run", tmp_path / "job.out"
-    args = [
-        "--config",
-        TINY,
-        *sets(
-            *MICRO,
-            f"run.dir={run}",
-            *group_overrides(corpus, *TWO),
-            "launch.processes_per_node=1",
-            "launch.min_processes=1",
-            "launch.suspect_retry_minutes=0.1",
-            "mesh.data=-1",  # the mesh follows the devices: 2x2x2 on two processes, 1x2x2 on one
-            "faults=[{kind: slow, step: 12, seconds: 1.0, count: 18}]",
-        ),
-    ]
+    args = job_args(
+        run,
+        corpus,
+        "launch.processes_per_node=1",
+        "launch.min_processes=1",
+        "launch.suspect_retry_minutes=0.1",
+        "mesh.data=-1",  # the mesh follows the devices: 2x2x2 on two processes, 1x2x2 on one
+        "faults=[{kind: slow, step: 12, seconds: 1.0, count: 18}]",
+    )
     cluster = dict(nodes=2, cpus=2, cred_expire=5, slurmd_timeout=SLURMD_TIMEOUT, message_timeout=MESSAGE_TIMEOUT)
     with local_slurm(tmp_path / "slurm", **cluster) as env:
         env = dict(env, TRAINER_PYTHON=sys.executable)

@@ -18,8 +18,8 @@ import textwrap
 import time
 
 import pytest
-from conftest import MICRO, TINY, events, sets, summary
-from multihost import TWO, at_step, audit, group_overrides, reference, sbatch_trainer
+from conftest import events, summary
+from multihost import at_step, audit, job_args, reference, sbatch_trainer
 from slurm_cluster import (
     TERMINAL_STATES,
     cluster_pids,
@@ -56,17 +56,12 @@ def test_sbatch_job_survives_a_killed_task_and_a_preemption(tmp_path, tmp_path_f
     # Two tasks on the one node stand for two hosts; a real job has one task per node.
     # Steps from 16 on are slowed (process 0 sleeps; the numbers do not change) so that the preemption
     # below lands before the run's end even on a fast machine.
-    args = [
-        "--config",
-        TINY,
-        *sets(
-            *MICRO,
-            f"run.dir={run}",
-            *group_overrides(corpus, *TWO),
-            "launch.processes_per_node=2",
-            "faults=[{kind: slow, step: 16, seconds: 0.3, count: 14}]",
-        ),
-    ]
+    args = job_args(
+        run,
+        corpus,
+        "launch.processes_per_node=2",
+        "faults=[{kind: slow, step: 16, seconds: 0.3, count: 14}]",
+    )
     t0 = time.time()
     with local_slurm(tmp_path / "slurm", cpus=4, cred_expire=5) as env:
         env = dict(env, TRAINER_PYTHON=sys.executable)
