@@ -46,10 +46,6 @@ class Pairing:
         """Whose copy this process holds."""
         return self.to.index(jax.process_index())
 
-    def on_my_node(self) -> set[int]:
-        mine = self.nodes[jax.process_index()]
-        return {i for i, n in enumerate(self.nodes) if n == mine}
-
 
 def nodes_of_processes() -> list[str]:
     """Every process's node name, in process order (one host collective)."""

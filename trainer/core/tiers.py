@@ -105,8 +105,6 @@ class Tiers:
             jax.block_until_ready(state)  # the step in flight is not the transfer's cost
             t0 = time.perf_counter()
             held = buddy.send(state, self.pairing)
-            if self.local is None:
-                return None
             meta = dict(meta, holds=self.pairing.held, node=self.node)
         if self.local is None:
             return None
@@ -229,7 +227,8 @@ class Tiers:
         problem = self._agreed(lambda: self._verify_local(step, sorted(mine)))
         if problem is not None:
             return None, problem
-        transfers = list(buddy.rounds({t: e["holder"] for t, e in plan.items()}))
+        # (targets' holders, the permutation that puts each holder in its target's place), round by round
+        transfers = [(b, buddy.complete(b, n)) for b in buddy.rounds({t: e["holder"] for t, e in plan.items()})]
         got: dict[str, Any] = {}
 
         def read(target: int, stand_in: dict[int, int] | None) -> Any:
@@ -243,10 +242,10 @@ class Tiers:
         def load() -> None:
             if plan[me]["holder"] == me:
                 got["own"] = read(me, None)
-            for i, batch in enumerate(transfers):
+            for i, (batch, stand_in) in enumerate(transfers):
                 give = next((t for t, h in batch.items() if h == me), None)
                 if give is not None:
-                    got[f"give{i}"] = read(give, buddy.complete(batch, n))
+                    got[f"give{i}"] = read(give, stand_in)
 
         def check() -> manifest.Problem | None:
             p = _unreadable(load)
@@ -255,8 +254,7 @@ class Tiers:
         problem = self._agreed(check)
         if problem is not None:
             return None, problem
-        for i, batch in enumerate(transfers):
-            stand_in = buddy.complete(batch, n)
+        for i, (batch, stand_in) in enumerate(transfers):
             moved = buddy.move(got.pop(f"give{i}", None), stand_in, abstract)
             if me in batch:
                 got["own"] = moved
