@@ -240,18 +240,19 @@ def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "cond
         time.sleep(interval)
 
 
-def wait_job(job_id: str, env: dict[str, str], timeout: float = 60) -> str:
+def wait_job(job_id: str, env: dict[str, str], timeout: float = 60, *, passing: frozenset[str] = frozenset()) -> str:
     """Wait until the job reaches a terminal state and return it (e.g. COMPLETED).
 
     Uses ``scontrol show job`` (no accounting database, so no ``sacct``); the
-    cluster keeps finished jobs visible for ``MinJobAge`` seconds.
+    cluster keeps finished jobs visible for ``MinJobAge`` seconds. States in
+    ``passing`` do not end the wait (a job SLURM requeues goes through them).
     Raises TimeoutError with the last seen state otherwise.
     """
     deadline = time.monotonic() + timeout
     state = None
     while time.monotonic() < deadline:
         state = job_state(job_id, env)
-        if state in TERMINAL_STATES:
+        if state in TERMINAL_STATES - passing:
             return state
         time.sleep(0.25)
     raise TimeoutError(f"job {job_id} not finished after {timeout}s (last state {state!r})")

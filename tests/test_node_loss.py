@@ -22,7 +22,7 @@ import time
 import pytest
 from conftest import ROOT, events, step_losses, summary
 from multihost import at_step, audit, job_args, node_of, reference, sbatch_trainer, wait_for
-from slurm_cluster import TERMINAL_STATES, job_state, local_slurm, lose_node, node_states, wait_job
+from slurm_cluster import TERMINAL_STATES, job_state, local_slurm, node_states, wait_job
 from test_slurm_job import _require_slurm
 
 pytestmark = pytest.mark.slow  # trains end to end (fast loop: -m 'not slow')
@@ -31,21 +31,29 @@ SLURMD_TIMEOUT, MESSAGE_TIMEOUT = 5, 3  # SLURM itself notices a lost node after
 NODE_LOCAL = "/local_scratch"
 
 
-def test_lost_node_is_replaced_by_the_spare_and_the_run_is_bitwise_undisturbed(tmp_path, tmp_path_factory):
+def test_two_nodes_lost_in_turn_heal_from_the_peer_copy_then_from_durable(tmp_path, tmp_path_factory):
+    """Five nodes, a job of three (two train, one spare). Both losses are the `node` fault: every process of
+    the job on that node, its slurmstepds and its slurmd killed at once, its node-local tier deleted.
+
+    First, process 1's node at step 14: the group restarts on the survivor and the spare inside the
+    allocation and restores local step 12, process 1's shards from the copy the survivor held for it.
+    Then, before a new fast save, the survivor's node: the one holding that copy, and the batch host with the
+    supervisor. SLURM keeps a --no-kill job running without its batch host, so the guard the supervisor left
+    on the spare (trainer.supervise.guard) sees its lease stop and requeues the job. No complete copy of any
+    fast step is left (the spare holds none yet): the requeued job starts on nodes it never used and
+    restores the newest complete checkpoint in either tier, durable step 10. The run ends with the bytes of an
+    undisturbed 2-process run."""
     _require_slurm()
     ref_run, corpus = reference(tmp_path_factory)
     run, out = tmp_path / "run", tmp_path / "job.out"
-    # Steps from 12 on are slowed (the numbers do not change) so that the loss lands mid-run on a fast machine.
+    faults = [
+        "{kind: slow, step: 12, seconds: 0.3, count: 4}",  # the local save of step 12 is sealed before 14
+        "{kind: node, step: 14, process: 1}",
+        "{kind: node, step: 16, process: 0}",  # in the restarted group only: the first never gets past 15
+    ]
     t0 = time.time()
-    with local_slurm(
-        tmp_path / "slurm",
-        nodes=3,
-        cpus=2,
-        cred_expire=5,
-        slurmd_timeout=SLURMD_TIMEOUT,
-        message_timeout=MESSAGE_TIMEOUT,
-        node_local=NODE_LOCAL,
-    ) as env:
+    cluster = dict(nodes=5, cpus=2, cred_expire=5, slurmd_timeout=SLURMD_TIMEOUT, message_timeout=MESSAGE_TIMEOUT)
+    with local_slurm(tmp_path / "slurm", node_local=NODE_LOCAL, **cluster) as env:
         env = dict(env, TRAINER_PYTHON=sys.executable)
         # Each node's local tier lives and dies with it: one path with a private tmpfs on every node, or
         # (where namespaces cannot mount) a folder per node named through {node}.
@@ -56,56 +64,62 @@ def test_lost_node_is_replaced_by_the_spare_and_the_run_is_bitwise_undisturbed(t
             corpus,
             "launch.processes_per_node=1",
             f"checkpoint.local_dir={local}",
-            "checkpoint.local_every_steps=4",  # durable every 10 (MICRO)
-            "faults=[{kind: slow, step: 12, seconds: 0.3, count: 10}]",
+            "checkpoint.local_every_steps=6",  # local 6, 12, 18, 24; durable 10, 20, 30 (MICRO)
+            f"faults=[{', '.join(faults)}]",
         )
         job = sbatch_trainer(env, nodes=3, per_node=1, out=out, args=args)
-        alive = lambda: job_state(job, env) not in TERMINAL_STATES
-
-        victim = at_step(run, 1, 14, alive)  # past the checkpoint at step 10
-        lost = node_of(victim["pid"])
-        t_kill = time.time()
-        lose_node(env, lost)  # no scontrol DOWN: SLURM notices only SlurmdTimeout later
-        state = wait_job(job, env, timeout=300)
+        # SLURM requeues the job when its batch host is lost (it passes through NODE_FAIL on the way)
+        state = wait_job(job, env, timeout=300, passing=frozenset({"NODE_FAIL"}))
         log = out.read_text()
         assert state == "COMPLETED", log[-3000:]
-        assert node_states(env)[lost].startswith("down")  # what SLURM made of it meanwhile
+        down = node_states(env)
     wall = time.time() - t0
 
     evs = events(run)
     starts = [e for e in evs if e["event"] == "worker_start"]
-    first_nodes = starts[0]["nodes"]
-    assert lost in first_nodes and len(starts) == 2, starts
-    spare = next(n for n in ("n1", "n2", "n3") if n not in first_nodes)
-    # The lost node is the suspect, for the right reason; the survivor whose collective failed is not.
+    assert len(starts) == 3, starts
+    first, lost = starts[0]["nodes"], []
+    lost.append(first[1])  # process 1's node
+    survivor = first[0]
+    spare = next(n for n in ("n1", "n2", "n3") if n not in first)
+    # The first loss: the lost node is the suspect, for the right reason; the survivor whose collective failed
+    # is not. The next step runs on the survivor and the spare, in the same allocation.
     suspects = [e for e in evs if e["event"] == "node_suspect"]
-    assert [e["node"] for e in suspects] == [lost], suspects
+    assert [e["node"] for e in suspects] == [lost[0]], suspects
     exit0 = next(e for e in evs if e["event"] == "worker_exit")
-    survivor = next(n for n in first_nodes if n != lost)
-    # Either SLURM noticed the loss and ended the step ("Node failure on ..."), or the survivor's collective
-    # failed first (exit PEER_LOST) and the node whose task was never reported is the one.
-    if exit0.get("node_failures"):
-        assert exit0["node_failures"] == [lost] and "node failure" in suspects[0]["reason"], (exit0, suspects)
-    else:
+    if exit0.get("node_failures"):  # SLURM noticed first ("Node failure on ...")
+        assert exit0["node_failures"] == [lost[0]] and "node failure" in suspects[0]["reason"], (exit0, suspects)
+    else:  # the survivor's collective failed first (exit PEER_LOST): the node never reported is the one
         assert exit0.get("first_task_error") == [survivor, 82], exit0  # exit_codes.PEER_LOST
         assert "vanished" in suspects[0]["reason"], suspects
-    # The next step runs on the survivor and the spare, in the same allocation.
-    assert sorted(starts[1]["nodes"]) == sorted([survivor, spare]) and starts[1]["suspect_nodes"] == [lost]
-    restored = next(e for e in evs if e["event"] == "restore" and e["time"] > starts[1]["time"])
+    assert starts[1]["nodes"] == [survivor, spare] and starts[1]["suspect_nodes"] == [lost[0]], starts[1]
+    restored = [next(e for e in evs if e["event"] == "restore" and e["time"] > s["time"]) for s in starts[1:]]
+    local_saves = [(e["step"], e["time"]) for e in evs if e["event"] == "checkpoint_saved" and e["tier"] == "local"]
     # From the fast tier, not durable: the lost process's shards from the copy the survivor held for it.
-    local_saves = [e["step"] for e in evs if e["event"] == "checkpoint_saved" and e["tier"] == "local"]
-    assert restored["tier"] == "local" and restored["step"] in local_saves and restored["step"] > 10, restored
-    assert sorted((s["node"], s["copy"]) for s in restored["sources"].values()) == [
+    assert (restored[0]["tier"], restored[0]["step"]) == ("local", 12), restored[0]
+    assert sorted((s["node"], s["copy"]) for s in restored[0]["sources"].values()) == [
         (survivor, "buddy"),
         (survivor, "state"),
-    ], restored
+    ], restored[0]
     first_step = next(e for e in evs if e["event"] == "step" and e["time"] > starts[1]["time"])
-    # The suspects outlive this supervisor (a requeued job reads them) and `status` lists them.
+    # The suspects outlive the supervisor (the requeued job read them) and `status` lists them.
     st = subprocess.run(
         [sys.executable, "-m", "trainer", "status", str(run)], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
-    assert st.returncode == 0 and f"- {lost}:" in st.stdout, st.stdout + st.stderr
-    assert (run / "suspect_nodes.json").is_file()
+    assert st.returncode == 0 and f"- {lost[0]}:" in st.stdout, st.stdout + st.stderr
+
+    # The second loss, before a new fast save: the survivor's node, batch host and holder of the copy.
+    lost.append(survivor)
+    assert not [s for s, t in local_saves if starts[1]["time"] < t < starts[2]["time"]], local_saves
+    assert all(down[n].startswith("down") for n in lost), down  # what SLURM made of both
+    # SLURM keeps a --no-kill job running without its batch host: the guard on the spare saw the supervisor's
+    # lease stop and requeued the job; the requeued job has a supervisor of its own on nodes never used.
+    (guarded,) = [e for e in evs if e["event"] == "supervisor_lost"]
+    assert (guarded["node"], guarded["guard_node"], guarded["action"]) == (survivor, spare, "requeued"), guarded
+    assert len({e["pid"] for e in evs if e["event"] == "supervisor_start"}) == 2
+    assert not set(starts[2]["nodes"]) & {*lost, survivor}, starts[2]
+    # No fast step can be assembled (its copies died with the two nodes): durable 10, never a partial step.
+    assert (restored[1]["tier"], restored[1]["step"]) == ("durable", 10), restored[1]
 
     assert summary(run)["params_sha256"] == summary(ref_run)["params_sha256"]
     losses, ref_losses = step_losses(run), step_losses(ref_run)
@@ -113,12 +127,16 @@ def test_lost_node_is_replaced_by_the_spare_and_the_run_is_bitwise_undisturbed(t
     assert all(set(v) == {ref_losses[k][0]} for k, v in losses.items())  # recomputed steps too, bitwise
     st = audit(run, "--compare", str(ref_run))
     assert st["compared_steps"] == 30 and st["rechecked_rows"] > 0, st
+    t_loss = next(e["time"] for e in evs if e["event"] == "worker_exit")
     print(
-        f"node loss: {lost} lost at step {victim['step']}; exit {exit0}; restart on {starts[1]['nodes']} "
-        f"{starts[1]['time'] - t_kill:.1f}s after the kill, first new step ({first_step['step']}) after "
-        f"{first_step['time'] - t_kill:.1f}s, restored step {restored.get('step')} "
-        f"({ {k: v for k, v in restored.items() if k not in ('event', 'time', 'by')} }); a durable-only restore "
-        f"would have gone back to step 10 ({restored['step'] - 10} more steps to recompute); test {wall:.0f}s"
+        f"node loss: {lost[0]} lost at step 14; exit {exit0}; restart on {starts[1]['nodes']} "
+        f"{starts[1]['time'] - t_loss:.1f}s after the first exit report, first new step ({first_step['step']}) "
+        f"{first_step['time'] - t_loss:.1f}s after it, restored step 12 from the fast tier "
+        f"({restored[0]['sources']}); a durable-only restore would have gone back to step 10 (2 more steps). "
+        f"Then {lost[1]} lost at step 16; the guard on {spare} requeued the job {guarded['silent_s']}s later; "
+        f"requeued job on {starts[2]['nodes']} {starts[2]['time'] - guarded['time']:.1f}s later, restored durable "
+        f"step 10; "
+        f"test {wall:.0f}s"
     )
 
 

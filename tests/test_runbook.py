@@ -347,6 +347,22 @@ def test_nan_and_spike_faults_poison_one_update_once_or_on_every_attempt(tmp_pat
     assert again.lr_scale(3, 0.5) == 0.5 and again.lr_scale(5, 0.5) == 5.0
 
 
+def test_a_fault_fires_on_its_own_process_and_no_process_drops_another_ones_record(tmp_path):
+    faults = [Fault("ecc", 2, count=5, process=1), Fault("nan", 3, process=1), Fault("slow", 4)]
+    p0, p1 = FaultInjector(faults, tmp_path, process=0), FaultInjector(faults, tmp_path, process=1)
+    fired = lambda: json.loads((tmp_path / "faults_fired.json").read_text())  # noqa: E731
+    p0.before_step(2)  # process 1's: not fired here
+    assert p0.ecc_errors(2) == 0 and not (tmp_path / "faults_fired.json").exists()
+    p1.before_step(2)
+    assert p1.ecc_errors(2) == 5 and fired() == [0]
+    assert math.isnan(p0.lr_scale(3, 0.5))  # the state-changing kinds apply on every process ...
+    assert fired() == [0]  # ... and their own process records them
+    assert math.isnan(p1.lr_scale(3, 0.5)) and fired() == [0, 1]
+    p0.before_step(4)  # process 0 read the file before process 1 wrote it: it must keep what is there
+    assert fired() == [0, 1, 2]
+    assert FaultInjector(faults, tmp_path, process=1).lr_scale(3, 0.5) == 0.5  # the next attempt: fired
+
+
 def _mismatch(run: Path, odd_processes: list[int], replicas: int) -> None:
     """What a worker writes when a replica check fails (the shape trainer.core.replicas.check returns)."""
     devices = [

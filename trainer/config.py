@@ -150,13 +150,13 @@ class IntegrityConfig:
 
 
 # faults[].kind and faults[].phase (where hang and slow fire); trainer.supervise.faults fires them
-FAULT_KINDS = tuple("crash hang crash_mid_save slow slow_save signal ecc nan spike bitflip startup".split())
+FAULT_KINDS = tuple("crash hang crash_mid_save slow slow_save signal ecc nan spike bitflip startup node".split())
 FAULT_PHASES = ("step", "startup", "restore", "compile", "checkpoint", "eval")
 
 
 @dataclass
 class Fault:
-    kind: str  # crash | hang | crash_mid_save | slow | slow_save | signal | ecc | nan | spike | bitflip | startup
+    kind: str  # one of FAULT_KINDS (crash, hang, slow, node, ...): what fires; trainer.supervise.faults says how
     step: int  # startup: ignored (it fires while the worker starts, before any step)
     seconds: float = 0.0  # slow: extra seconds per step; slow_save: extra seconds to commit the durable save
     phase: str = "step"  # hang, slow: the phase they fire in: step | startup | restore | compile | checkpoint | eval
@@ -164,6 +164,7 @@ class Fault:
     signal: str = "SIGKILL"  # signal: which one the worker sends itself
     scale: float = 1000.0  # spike: multiply the LR by this for the one update at `step`
     repeat: bool = False  # fire on every attempt (a deterministic bug), not just once
+    process: int = 0  # the process it fires on (node: that process's whole node is lost; supervise/lose_node.py)
 
 
 @dataclass
@@ -280,19 +281,18 @@ def _positive(cfg: Config, *keys: str, allow_zero: bool = False) -> None:
 # Keys that must be > 0, and keys that must be >= 0 (0 means off or none); validate() checks both.
 _POSITIVE = (
     "model.vocab_size model.seq_len model.d_model model.n_layers checkpoint.mtbf_hours model.n_heads "
-    "model.rope_theta model.norm_eps "
-    "data.batch_size train.steps train.microbatches optim.lr optim.clip_norm log.every_steps "
-    "data.read_threads data.default_corpus_mb data.prepare_workers eval.batches checkpoint.keep_latest "
-    "mesh.fsdp mesh.tensor supervisor.crash_loop_restarts supervisor.step_timeout_s "
+    "model.rope_theta model.norm_eps data.batch_size train.steps train.microbatches optim.lr optim.clip_norm "
+    "log.every_steps data.read_threads data.default_corpus_mb data.prepare_workers eval.batches "
+    "checkpoint.keep_latest mesh.fsdp mesh.tensor supervisor.crash_loop_restarts supervisor.step_timeout_s "
     "supervisor.eval_timeout_s supervisor.poll_s log.health_every_s alerts.grad_window alerts.grad_rise "
     "alerts.throughput_window alerts.throughput_steps alerts.ecc_rise alerts.overdue_fraction"
 ).split()
 
 _NON_NEGATIVE = (
     "model.d_ff model.n_kv_heads train.z_loss optim.warmup_steps train.stop_at_step checkpoint.every_steps "
-    "checkpoint.keep_every "
-    "checkpoint.auto_devices mesh.cpu_devices checkpoint.local_every_steps checkpoint.local_every_minutes "
-    "integrity.replica_check_steps log.peak_flops data.prefetch supervisor.max_restarts eval.every_steps"
+    "checkpoint.keep_every checkpoint.auto_devices mesh.cpu_devices checkpoint.local_every_steps "
+    "checkpoint.local_every_minutes integrity.replica_check_steps log.peak_flops data.prefetch "
+    "supervisor.max_restarts eval.every_steps launch.suspect_retry_minutes"
 ).split()
 
 
@@ -300,7 +300,7 @@ def validate(cfg: Config) -> None:
     _validate_ranges(cfg)
     _validate_interval(cfg)
     _validate_model_and_run(cfg)
-    _validate_faults(cfg.faults)
+    _validate_faults(cfg.faults, cfg.launch.processes)
     _validate_launch(cfg.launch)
     _validate_runbook(cfg.runbook)
 
@@ -342,8 +342,10 @@ def _validate_model_and_run(cfg: Config) -> None:
         raise ConfigError("run.dir must be set (e.g. --set run.dir=runs/mine)")
 
 
-def _validate_faults(faults: list[Fault]) -> None:
+def _validate_faults(faults: list[Fault], processes: int) -> None:
     for i, f in enumerate(faults):
+        if not 0 <= f.process < processes:
+            raise ConfigError(f"faults[{i}].process must be in [0, launch.processes={processes}), got {f.process}")
         if f.kind not in FAULT_KINDS:
             raise ConfigError(f"faults[{i}].kind must be one of {', '.join(FAULT_KINDS)}, got {f.kind!r}")
         if f.step < 0:
@@ -386,8 +388,6 @@ def _validate_launch(lc: LaunchConfig) -> None:
             f"launch.processes ({lc.processes}) must be a multiple of launch.processes_per_node"
             f" ({lc.processes_per_node})"
         )
-    if lc.suspect_retry_minutes < 0:
-        raise ConfigError(f"launch.suspect_retry_minutes must be >= 0, got {lc.suspect_retry_minutes}")
     if not 0 <= lc.min_processes <= lc.processes:
         raise ConfigError(
             f"launch.min_processes must be in [0, launch.processes={lc.processes}], got {lc.min_processes}"

@@ -22,7 +22,7 @@ from trainer.core import mesh as mesh_lib
 from trainer.core import state as state_lib
 from trainer.core.model import GPT, mlp_width
 from trainer.core.replicas import ReplicaCheck
-from trainer.observe import alerts, env_vars, rundir
+from trainer.observe import alerts, checkpoint_files, env_vars, rundir
 from trainer.observe.event_names import (
     CONFIG_CHANGED,
     DATA_READY,
@@ -32,7 +32,7 @@ from trainer.observe.event_names import (
     STACK_CHANGED,
 )
 from trainer.observe.events import EventLog
-from trainer.observe.heartbeat import Heartbeat
+from trainer.observe.heartbeat import Heartbeat, node_name
 from trainer.observe.spikes import SpikeDetector
 from trainer.observe.tensorboard import Writer
 from trainer.supervise import runbook
@@ -247,7 +247,10 @@ def setup(cfg: Config) -> Worker:
     pins = lambda steps: runbook.retention_pins(  # noqa: E731
         steps, window=cfg.runbook.window if cfg.runbook.enabled else None, pinned=rb.pinned
     )
-    faults = FaultInjector(cfg.faults, run_dir, enabled=primary)
+    node_local = None
+    if cfg.checkpoint.local_dir:  # what the `node` fault deletes with the node
+        node_local = checkpoint_files.local_root(cfg.checkpoint.local_dir, run_dir, node_name(jax.process_index()))
+    faults = FaultInjector(cfg.faults, run_dir, process=jax.process_index(), node_local=node_local)
     faults.at_startup()
     w = Worker(
         cfg=cfg,

@@ -45,6 +45,7 @@ NODE_RETRIED = "node_retried"  # a suspect node tried again (launch.suspect_retr
 REGROW = "regrow"  # a shrunk group saved and stopped to restart at full size on nodes that came back
 GAVE_UP = "gave_up"
 REPLICA_REWIND = "replica_rewind"
+SUPERVISOR_LOST = "supervisor_lost"  # a guard (trainer.supervise.guard) requeued a job whose supervisor went silent
 # the spike runbook's: its actions skip and soften are recorded under the same names in runbook.json
 REWIND = "rewind"
 SKIP = "skip"

@@ -1,8 +1,10 @@
 """Built-in fault injection, driven by the config's `faults` list and off by default.
 
 Each fault fires at most once per run: it is recorded in the run dir (fsynced) before it fires, so
-the restart it causes does not trigger it again. The kinds and phases a config may name are declared with
-the config (trainer.config.FAULT_KINDS, FAULT_PHASES).
+the restart it causes does not trigger it again. A fault fires on one process (`process`, 0 unless set);
+nan, spike and bitflip change the train state, so every process applies them and their process records
+them. The kinds and phases a config may name are declared with the config (trainer.config.FAULT_KINDS,
+FAULT_PHASES).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from trainer.config import Fault
 from trainer.observe import rundir
 from trainer.observe.rundir import write_json
+from trainer.supervise import lose_node
 
 
 class InjectedStartupError(RuntimeError):
@@ -26,12 +29,14 @@ CRASH_EXIT = 13
 
 
 class FaultInjector:
-    def __init__(self, faults: list[Fault], run_dir: Path, *, enabled: bool = True):
+    def __init__(self, faults: list[Fault], run_dir: Path, *, process: int = 0, node_local: Path | None = None):
+        """`process`: this process's index; `node_local`: what the `node` fault deletes with its node (this
+        run's part of the node-local tier)."""
         self._all = list(enumerate(faults))
-        self._faults = self._all if enabled else []
-        self._writer = enabled  # nan/spike change the train state: every process applies them, one records
+        self._faults = [(i, f) for i, f in self._all if f.process == process]
+        self.process, self.node_local = process, node_local
         self._path = Path(run_dir) / rundir.FAULTS_FIRED
-        self._fired = set(json.loads(self._path.read_text())) if self._path.is_file() else set()
+        self._fired = self._read()
         self._ecc_from: dict[int, tuple[int, int]] = {}  # id(fault) -> (first step, errors per step)
 
     def _pending(self, kind: str, step: int, *, open_ended: bool = False, phase: str = "step") -> Fault | None:
@@ -41,12 +46,17 @@ class FaultInjector:
                 return f
         return None
 
+    def _read(self) -> set[int]:
+        return set(json.loads(self._path.read_text())) if self._path.is_file() else set()
+
     def _record(self, fault: Fault) -> None:
         if fault.repeat:
             return
         self._fired.add(next(i for i, f in self._all if f is fault))
-        if not self._writer:
+        if fault.process != self.process:
             return
+        # Other processes record theirs in the same file: keep what they wrote since this one read it.
+        self._fired |= self._read()
         write_json(self._path, sorted(self._fired), durable=True, indent=None)
 
     def at_startup(self) -> None:
@@ -71,6 +81,9 @@ class FaultInjector:
         if f := self._pending("signal", step):
             self._record(f)
             os.kill(os.getpid(), getattr(signal, f.signal))
+        if f := self._pending("node", step):
+            self._record(f)
+            lose_node.now(self.node_local)
         self._hang_or_slow("step", step)
 
     def in_phase(self, phase: str, step: int) -> None:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from trainer.config import ConfigError, LaunchConfig
 from trainer.observe import env_vars, rundir
-from trainer.supervise import exit_codes, membership
-from trainer.supervise.group import CONTROLLED, PEERS_FOLLOW, Group, Merged, spawn
+from trainer.supervise import exit_codes, guard, membership
+from trainer.supervise.group import CONTROLLED, PEERS_FOLLOW, Group, Merged, die_with_parent, spawn
 from trainer.supervise.nodes import (
     NODE_FAILURE,
     TASK_ERROR,
@@ -251,6 +251,8 @@ class Launcher:
         self.new_suspects: list[tuple[str, str]] = []  # (node, reason) found by the latest start(), for events
         self.retried: list[str] = []  # suspects the latest start() used again (launch.suspect_retry_minutes)
         self._last: Group | None = None
+        self._guard: subprocess.Popen | None = None  # the guards' srun step (start_guard)
+        self._guarded = False
         self.allocated: list[str] = []
         self._file = Path(run_dir) / rundir.SUSPECT_NODES if run_dir is not None else None
         if cfg.mode == "slurm":
@@ -315,6 +317,19 @@ class Launcher:
             ),
             avoid,
         )
+
+    def start_guard(self, run_dir: Path, env: Mapping[str, str] = os.environ) -> None:
+        """Under SLURM, once: the supervisor's lease, and a guard on every other node that requeues the job
+        if the lease stops (the batch host lost: trainer.supervise.guard)."""
+        if self.cfg.mode != "slurm" or self._guarded:
+            return
+        self._guarded, here = True, env.get(env_vars.SLURMD_NODENAME, "")
+        guard.renew_forever(run_dir, here)
+        if others := [n for n in self.allocated if n != here]:
+            cmd = guard.srun_command(others, run_dir, self.job)
+            self._guard = subprocess.Popen(
+                cmd, env=guard.guard_env(env), preexec_fn=die_with_parent, start_new_session=True
+            )
 
     def can_regrow(self) -> bool:
         """The group runs shrunk and a full-size one could start now (suspects due for a retry count)."""

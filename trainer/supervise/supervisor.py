@@ -213,6 +213,8 @@ class Supervisor:
             if not self.accepted and _ready(self.run_dir, att.proc.launch_id):
                 self.accepted = True
                 self.events.open()
+            if self.accepted:
+                self.launcher.start_guard(self.run_dir)
             if self.stop_signal not in (None, -1):
                 # Once only: a second SIGTERM landing while a worker exits (its handler already gone) kills it.
                 att.proc.send_signal(signal.SIGTERM)
