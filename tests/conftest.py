@@ -143,12 +143,22 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
     return d
 
 
+def _effective(overrides: tuple[str, ...]) -> str:
+    from trainer.config import load_config, to_dict
+
+    tree = to_dict(load_config(TINY, [*MICRO, *overrides]))
+    tree["run"].pop("dir")
+    return json.dumps(tree, sort_keys=True)
+
+
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory):
     """One uninterrupted micro run (unsupervised) that the fault tests compare against, by mesh."""
 
     def get(*overrides: str) -> Path:
-        key = hashlib.sha256("\n".join(overrides).encode()).hexdigest()[:16]
+        # Keyed by the config the overrides make, not their spelling: the tiny config's own mesh spelled out
+        # is the run with no overrides, built once.
+        key = hashlib.sha256(_effective(overrides).encode()).hexdigest()[:16]
         return built_once(tmp_path_factory, f"reference-{key}", lambda d: run_trainer(d, *overrides, worker=True))
 
     return get

@@ -55,7 +55,7 @@ MUTATIONS = [
         "data_cursor_off_by_one",
         "a resumed data iterator starts one batch late",
         (("trainer/core/loop.py", 'it.set_state({"next_index": start})', 'it.set_state({"next_index": start + 1})'),),
-        ("tests/test_resume.py::test_stop_and_resume_is_bit_identical[data8]",),
+        ("tests/test_resume.py::test_stop_and_resume_is_bit_identical[fsdp8_microbatches2]",),
     ),
     M(
         "fallback_to_oldest",
