@@ -12,6 +12,7 @@ Skipped without SLURM binaries or root, except under CI (where it must run: .ci/
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -22,7 +23,7 @@ import time
 import pytest
 from conftest import ROOT, events, step_losses, summary
 from multihost import at_step, audit, job_args, node_of, reference, sbatch_trainer, wait_for
-from slurm_cluster import TERMINAL_STATES, job_state, local_slurm, node_states, wait_job
+from slurm_cluster import TERMINAL_STATES, job_info, job_state, local_slurm, node_states, wait_job
 from test_slurm_job import _require_slurm
 
 pytestmark = pytest.mark.slow  # trains end to end (fast loop: -m 'not slow')
@@ -72,7 +73,7 @@ def test_two_nodes_lost_in_turn_heal_from_the_peer_copy_then_from_durable(tmp_pa
         state = wait_job(job, env, timeout=300, passing=frozenset({"NODE_FAIL"}))
         log = out.read_text()
         assert state == "COMPLETED", log[-3000:]
-        down = node_states(env)
+        down, info = node_states(env), job_info(job, env)
     wall = time.time() - t0
 
     evs = events(run)
@@ -115,7 +116,9 @@ def test_two_nodes_lost_in_turn_heal_from_the_peer_copy_then_from_durable(tmp_pa
     # SLURM keeps a --no-kill job running without its batch host: the guard on the spare saw the supervisor's
     # lease stop and requeued the job; the requeued job has a supervisor of its own on nodes never used.
     (guarded,) = [e for e in evs if e["event"] == "supervisor_lost"]
-    assert (guarded["node"], guarded["guard_node"], guarded["action"]) == (survivor, spare, "requeued"), guarded
+    assert (guarded["node"], guarded["guard_node"]) == (survivor, spare) and guarded["silent_s"] >= 20, guarded
+    assert info.get("Restarts") == "1", info  # requeued once: by the guard
+    assert set(json.loads((run / "suspect_nodes.json").read_text())["nodes"]) == set(lost)
     assert len({e["pid"] for e in evs if e["event"] == "supervisor_start"}) == 2
     assert not set(starts[2]["nodes"]) & {*lost, survivor}, starts[2]
     # No fast step can be assembled (its copies died with the two nodes): durable 10, never a partial step.
@@ -133,7 +136,8 @@ def test_two_nodes_lost_in_turn_heal_from_the_peer_copy_then_from_durable(tmp_pa
         f"{starts[1]['time'] - t_loss:.1f}s after the first exit report, first new step ({first_step['step']}) "
         f"{first_step['time'] - t_loss:.1f}s after it, restored step 12 from the fast tier "
         f"({restored[0]['sources']}); a durable-only restore would have gone back to step 10 (2 more steps). "
-        f"Then {lost[1]} lost at step 16; the guard on {spare} requeued the job {guarded['silent_s']}s later; "
+        f"Then {lost[1]} lost at step 16; the guard on {spare} requeued the job {guarded['silent_s']}s after the "
+        f"last lease renewal; "
         f"requeued job on {starts[2]['nodes']} {starts[2]['time'] - guarded['time']:.1f}s later, restored durable "
         f"step 10; "
         f"test {wall:.0f}s"

@@ -13,9 +13,14 @@ own every RENEW_S) and runs one guard on every other node of the allocation, as 
 (`srun --overlap`, no task on the batch host: SLURM ends the steps that had a task on a failed node, and
 this one has none there). A guard that sees the counter unchanged for STALE_S by its own clock (no clock
 comparisons between nodes) requeues the job (`scontrol requeue`); SLURM starts it again on nodes that are
-up, and the new supervisor resumes from the newest complete checkpoint in either tier. A frozen supervisor
+up, and the new supervisor resumes from the newest complete checkpoint in either tier; the guard marks the
+lost batch host suspect first, so no later step trains on it. (Excluding it from the requeued job,
+`scontrol update ExcNodeList`, cannot be relied on from here: the test cluster's slurmctld refused the
+update while the requeue was completing, and the requeue ends the guard's own step. Until SLURM marks the
+node down, the requeued job may be placed there.) A frozen supervisor
 is caught the same way. A job submitted without --requeue cannot be requeued: the guard then cancels it
-(`scancel`), which at least frees the allocation.
+(`scancel`), which at least frees the allocation. What the guard did is in the job's output; the event
+`supervisor_lost` is written before it acts (the requeue ends the guard's own step).
 
 Never imports jax: a guard starts in a fraction of a second and holds no GPU.
 """
@@ -35,6 +40,7 @@ from trainer.observe import env_vars, rundir
 from trainer.observe.event_names import SUPERVISOR_LOST
 from trainer.observe.events import EventLog
 from trainer.observe.rundir import read_json, write_json
+from trainer.supervise.nodes import read_suspects, write_suspects
 
 RENEW_S = 1.0
 STALE_S = 20.0  # a supervisor renews every second from a thread that does nothing else
@@ -105,23 +111,35 @@ def watch(run_dir: Path, job: str, stale_s: float = STALE_S, poll_s: float = 1.0
         time.sleep(poll_s)
 
 
+def _state(job: str) -> str:
+    r = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=60)
+    return r.stdout.strip()
+
+
 def _requeue(run_dir: Path, job: str, lease: dict, silent_s: float) -> int:
-    node = os.environ.get(env_vars.SLURMD_NODENAME, "?")
-    r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
-    action = "requeued"
-    if r.returncode != 0:
-        action = "cancelled"
-        subprocess.run(["scancel", job], capture_output=True, timeout=60)
-    # Several guards may get here: the first one's requeue ends the job's steps, theirs included.
+    # One guard per node sees the same silence at about the same time: the first to act does it all.
+    if _state(job) != "RUNNING":
+        return 0
+    node, lost = os.environ.get(env_vars.SLURMD_NODENAME, "?"), lease.get("node") or ""
+    # Recorded first: the requeue ends the job's steps, this guard's too (SIGTERM, then SIGKILL after KillWait).
+    # The lost batch host is a suspect like any lost node (`status` lists it; the requeued job's supervisor
+    # avoids it).
+    if lost:
+        path = Path(run_dir) / rundir.SUSPECT_NODES
+        suspects = read_suspects(path)
+        reason = "the batch host: the supervisor's lease stopped (a guard requeued the job)"
+        suspects.setdefault(lost, {"reason": reason, "time": time.time(), "job": job})
+        write_suspects(path, suspects)
     EventLog(Path(run_dir) / rundir.EVENTS, by="guard").write(
-        SUPERVISOR_LOST,
-        node=lease.get("node"),
-        guard_node=node,
-        silent_s=round(silent_s, 1),
-        action=action,
-        **({"error": r.stderr.strip()[-300:]} if r.returncode else {}),
+        SUPERVISOR_LOST, node=lost, guard_node=node, silent_s=round(silent_s, 1)
     )
-    print(f"guard on {node}: the supervisor on {lease.get('node')} is silent for {silent_s:.0f}s: job {action}")
+    print(f"guard on {node}: the supervisor on {lost} is silent for {silent_s:.0f}s: requeueing job {job}", flush=True)
+    r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        if _state(job) != "RUNNING":  # another guard's requeue came first: nothing left to do
+            return 0
+        print(f"guard: requeue refused ({r.stderr.strip()[-200:]}): cancelling the job", flush=True)
+        subprocess.run(["scancel", job], capture_output=True, timeout=60)  # at least free the allocation
     return 0
 
 
