@@ -217,6 +217,32 @@ def test_independent_gpt2_forward_matches_the_trainer_and_greedy_sample(exported
     assert got["new_ids"] == want and got["text"] == bytes(want).decode() and len(set(want)) > 1
 
 
+def test_sample_top_k_seed_and_an_empty_prompt(exported):
+    """README's `sample` flags: `--prompt ""` starts from end-of-text; `--top-k 1` draws the greedy token at any
+    temperature; `--seed` fixes the draws (the CLI's text is the one the same seed gives in this process, and
+    another seed gives another)."""
+    from trainer.core import weights
+    from trainer.core.sample import generate
+    from trainer.observe import pick
+
+    run, _ = exported
+    loaded = weights.on_cpu(pick.pick(str(run), None))
+
+    def draw(*args: str) -> dict:
+        p = cli("sample", str(run), "--max-new-tokens", "12", "--json", *args)
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout)
+
+    eos = 256  # the byte tokenizer's end-of-text
+    top1 = draw("--prompt", "", "--temperature", "2", "--top-k", "1", "--seed", "5")
+    assert top1["prompt_ids"] == [eos], top1
+    assert top1["new_ids"] == generate(loaded, [eos], max_new_tokens=12, eos_id=eos), top1
+    hot = draw("--prompt", "the ", "--temperature", "1.5", "--seed", "1")
+    again = dict(max_new_tokens=12, temperature=1.5, eos_id=eos)
+    assert hot["new_ids"] == generate(loaded, hot["prompt_ids"], seed=1, **again), hot
+    assert hot["new_ids"] != generate(loaded, hot["prompt_ids"], seed=2, **again), hot
+
+
 def test_a_bias_free_model_exports_as_gpt2_with_zero_biases():
     """model.bias: false (no biases, as in nanodo and OLMo) exports GPT-2's full tensor set, its biases zero,
     and the independent GPT-2 computes the trainer's logits from it. No training run: random params."""
