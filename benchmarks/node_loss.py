@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("TRAINER_TESTS_COMPILE_CACHE", tempfile.mkdtemp(prefix="node-loss-jax-cache-"))
 from conftest import run_trainer  # noqa: E402
 from multihost import TWO, at_step, group_overrides, job_args, node_of, sbatch_trainer, small_corpus  # noqa: E402
-from slurm_cluster import TERMINAL_STATES, job_state, local_slurm, lose_node, wait_job  # noqa: E402
+from slurm_cluster import local_slurm, lose_node, wait_job  # noqa: E402
 
 NODE_LOCAL = "/local_scratch"
 
@@ -50,9 +50,7 @@ def loss(work: Path, corpus: Path, *, fast_tier: bool) -> dict:
     with local_slurm(
         work / "slurm", nodes=3, cpus=2, cred_expire=5, node_local=NODE_LOCAL, node_local_mode="tmpfs"
     ) as env:
-        env = dict(env, TRAINER_PYTHON=sys.executable)
-        job = sbatch_trainer(env, nodes=3, per_node=1, out=out, args=args)
-        alive = lambda: job_state(job, env) not in TERMINAL_STATES  # noqa: E731
+        job, alive = sbatch_trainer(env, nodes=3, per_node=1, out=out, args=args)
         victim = at_step(run, 1, 14, alive)
         t_kill = time.time()
         lose_node(env, node_of(victim["pid"]))
@@ -93,9 +91,7 @@ def hangs(work: Path, corpus: Path, n: int) -> dict:
     with local_slurm(
         work / "slurm", nodes=n + 2, cpus=2, cred_expire=5, node_local=NODE_LOCAL, node_local_mode="tmpfs"
     ) as env:
-        env = dict(env, TRAINER_PYTHON=sys.executable)
-        job = sbatch_trainer(env, nodes=n + 2, per_node=1, out=out, args=args)
-        alive = lambda: job_state(job, env) not in TERMINAL_STATES  # noqa: E731
+        job, alive = sbatch_trainer(env, nodes=n + 2, per_node=1, out=out, args=args)
         step = 4
         for k in range(n):
             harness.wait_for("the attempt", lambda k=k: len(_of(run, "worker_start")) == k + 1, timeout=300, poll_s=0.2)

@@ -8,9 +8,11 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from conftest import MICRO, ROOT, TINY, built_once, run_trainer, sets
+from slurm_cluster import TERMINAL_STATES, job_state
 
 # A corpus of ~140 windows of 65 tokens: 30 steps x 16 sequences cross three epoch boundaries, so the
 # audit proves exactly-once per epoch, not just "no repeats in 2% of an epoch".
@@ -91,13 +93,18 @@ def audit(run: Path, *args: str) -> dict:
     return json.loads(p.stdout)
 
 
-def sbatch_trainer(env: dict[str, str], *, nodes: int, per_node: int, out: Path, args: list[str]) -> str:
-    """Submit launch/slurm.sbatch running `python -m trainer <args>` to a loopback cluster (tests/slurm_cluster.py),
-    one core and no GPU per task (the job script asks for a GPU node's GPUs and cores); the job id."""
+def sbatch_trainer(
+    env: dict[str, str], *, nodes: int, per_node: int, out: Path, args: list[str]
+) -> tuple[str, Callable[[], bool]]:
+    """Submit launch/slurm.sbatch running `python -m trainer <args>` with this interpreter to a loopback cluster
+    (tests/slurm_cluster.py), one core and no GPU per task (the job script asks for a GPU node's GPUs and
+    cores): (the job id, alive: whether the job has not ended yet)."""
     cmd = ["sbatch", "--parsable", f"--nodes={nodes}", f"--ntasks={nodes * per_node}", f"--ntasks-per-node={per_node}"]
     cmd += ["--gpus-per-task=0", "--cpus-per-task=1", f"--chdir={ROOT}", f"--output={out}"]
     cmd += [str(ROOT / "launch" / "slurm.sbatch"), *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+    env = dict(env, TRAINER_PYTHON=sys.executable)
+    job = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+    return job, lambda: job_state(job, env) not in TERMINAL_STATES
 
 
 def node_of(pid: int) -> str:

@@ -23,12 +23,14 @@ import time
 import pytest
 from conftest import ROOT, events, step_losses, summary
 from multihost import at_step, audit, job_args, node_of, reference, sbatch_trainer, wait_for
-from slurm_cluster import TERMINAL_STATES, job_info, job_state, local_slurm, node_states, wait_job
+from slurm_cluster import job_info, local_slurm, node_states, wait_job
 from test_slurm_job import _require_slurm
 
 pytestmark = pytest.mark.slow  # trains end to end (fast loop: -m 'not slow')
 
 SLURMD_TIMEOUT, MESSAGE_TIMEOUT = 5, 3  # SLURM itself notices a lost node after about 11-13 s
+# The private clusters' settings (their node count aside): requeued jobs wait 5 s, not SLURM's 120.
+CLUSTER = dict(cpus=2, cred_expire=5, slurmd_timeout=SLURMD_TIMEOUT, message_timeout=MESSAGE_TIMEOUT)
 NODE_LOCAL = "/local_scratch"
 
 
@@ -53,9 +55,7 @@ def test_two_nodes_lost_in_turn_heal_from_the_peer_copy_then_from_durable(tmp_pa
         "{kind: node, step: 16, process: 0}",  # in the restarted group only: the first never gets past 15
     ]
     t0 = time.time()
-    cluster = dict(nodes=5, cpus=2, cred_expire=5, slurmd_timeout=SLURMD_TIMEOUT, message_timeout=MESSAGE_TIMEOUT)
-    with local_slurm(tmp_path / "slurm", node_local=NODE_LOCAL, **cluster) as env:
-        env = dict(env, TRAINER_PYTHON=sys.executable)
+    with local_slurm(tmp_path / "slurm", nodes=5, node_local=NODE_LOCAL, **CLUSTER) as env:
         # Each node's local tier lives and dies with it: one path with a private tmpfs on every node, or
         # (where namespaces cannot mount) a folder per node named through {node}.
         tmpfs = env["LOCAL_SLURM_NODE_LOCAL_MODE"] == "tmpfs"
@@ -68,7 +68,7 @@ def test_two_nodes_lost_in_turn_heal_from_the_peer_copy_then_from_durable(tmp_pa
             "checkpoint.local_every_steps=6",  # local 6, 12, 18, 24; durable 10, 20, 30 (MICRO)
             f"faults=[{', '.join(faults)}]",
         )
-        job = sbatch_trainer(env, nodes=3, per_node=1, out=out, args=args)
+        job, _ = sbatch_trainer(env, nodes=3, per_node=1, out=out, args=args)
         # SLURM requeues the job when its batch host is lost (it passes through NODE_FAIL on the way)
         state = wait_job(job, env, timeout=300, passing=frozenset({"NODE_FAIL"}))
         log = out.read_text()
@@ -160,11 +160,8 @@ def test_a_frozen_node_is_the_one_blamed_and_a_requeued_job_still_avoids_it(tmp_
         "supervisor.step_timeout_s=10",
         "faults=[{kind: slow, step: 12, seconds: 0.3, count: 18}]",
     )
-    cluster = dict(nodes=3, cpus=2, cred_expire=5, slurmd_timeout=SLURMD_TIMEOUT, message_timeout=MESSAGE_TIMEOUT)
-    with local_slurm(tmp_path / "slurm", **cluster) as env:
-        env = dict(env, TRAINER_PYTHON=sys.executable)
-        job = sbatch_trainer(env, nodes=3, per_node=1, out=out, args=args)
-        alive = lambda: job_state(job, env) not in TERMINAL_STATES
+    with local_slurm(tmp_path / "slurm", nodes=3, **CLUSTER) as env:
+        job, alive = sbatch_trainer(env, nodes=3, per_node=1, out=out, args=args)
 
         victim = at_step(run, victim_process, 13, alive)
         frozen = node_of(victim["pid"])
@@ -215,11 +212,8 @@ def test_with_no_spare_the_job_shrinks_and_regrows_when_the_node_is_trusted_agai
         "mesh.data=-1",  # the mesh follows the devices: 2x2x2 on two processes, 1x2x2 on one
         "faults=[{kind: slow, step: 12, seconds: 1.0, count: 18}]",
     )
-    cluster = dict(nodes=2, cpus=2, cred_expire=5, slurmd_timeout=SLURMD_TIMEOUT, message_timeout=MESSAGE_TIMEOUT)
-    with local_slurm(tmp_path / "slurm", **cluster) as env:
-        env = dict(env, TRAINER_PYTHON=sys.executable)
-        job = sbatch_trainer(env, nodes=2, per_node=1, out=out, args=args)
-        alive = lambda: job_state(job, env) not in TERMINAL_STATES
+    with local_slurm(tmp_path / "slurm", nodes=2, **CLUSTER) as env:
+        job, alive = sbatch_trainer(env, nodes=2, per_node=1, out=out, args=args)
         victim = at_step(run, 1, 13, alive)
         blamed = node_of(victim["pid"])
         os.kill(victim["pid"], signal.SIGKILL)

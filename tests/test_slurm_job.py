@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 
@@ -21,10 +20,8 @@ import pytest
 from conftest import events, summary
 from multihost import at_step, audit, job_args, reference, sbatch_trainer
 from slurm_cluster import (
-    TERMINAL_STATES,
     cluster_pids,
     job_info,
-    job_state,
     local_slurm,
     sbatch,
     slurm_available,
@@ -64,10 +61,8 @@ def test_sbatch_job_survives_a_killed_task_and_a_preemption(tmp_path, tmp_path_f
     )
     t0 = time.time()
     with local_slurm(tmp_path / "slurm", cpus=4, cred_expire=5) as env:
-        env = dict(env, TRAINER_PYTHON=sys.executable)
         # The job script asks for a GPU node's GPUs and cores: this loopback node has neither.
-        job = sbatch_trainer(env, nodes=1, per_node=2, out=out, args=args)
-        alive = lambda: job_state(job, env) not in TERMINAL_STATES
+        job, alive = sbatch_trainer(env, nodes=1, per_node=2, out=out, args=args)
 
         victim = at_step(run, 1, 14, alive)  # task 1, past the checkpoint at step 10
         os.kill(victim["pid"], signal.SIGKILL)

@@ -29,6 +29,11 @@ SLURM_STEP_NUM_TASKS = "SLURM_STEP_NUM_TASKS"
 SLURM_NTASKS = "SLURM_NTASKS"
 SLURM_PROCID = "SLURM_PROCID"
 SLURMD_NODENAME = "SLURMD_NODENAME"  # the node a task runs on
+SLURM_CONF = "SLURM_CONF"  # which cluster: the `node` fault finds its own node's slurmd by it
+# The job's per-task resources, which the guard step (trainer.supervise.guard) must not inherit.
+SLURM_GPUS_PER_TASK = "SLURM_GPUS_PER_TASK"
+SLURM_CPUS_PER_TASK = "SLURM_CPUS_PER_TASK"
+SRUN_CPUS_PER_TASK = "SRUN_CPUS_PER_TASK"
 
 # --- read: tiktoken's cache folders ------------------------------------------------------------------------
 TIKTOKEN_CACHE_DIR = "TIKTOKEN_CACHE_DIR"

@@ -53,7 +53,6 @@ def lease_path(run_dir: Path) -> Path:
 
 def renew_forever(run_dir: Path, node: str) -> threading.Thread:
     """The supervisor's side: a daemon thread that bumps the lease counter every RENEW_S."""
-
     lease_path(run_dir).parent.mkdir(parents=True, exist_ok=True)
 
     def loop() -> None:
@@ -95,7 +94,7 @@ def srun_command(nodes: list[str], run_dir: Path, job: str) -> list[str]:
 
 def guard_env(env: Mapping[str, str]) -> dict[str, str]:
     # The job's per-task settings (GPUs, cores) are the training step's, not the guard's.
-    drop = ("SLURM_GPUS_PER_TASK", "SRUN_CPUS_PER_TASK", "SLURM_CPUS_PER_TASK")
+    drop = (env_vars.SLURM_GPUS_PER_TASK, env_vars.SRUN_CPUS_PER_TASK, env_vars.SLURM_CPUS_PER_TASK)
     return {k: v for k, v in env.items() if k not in drop}
 
 

@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from trainer.observe import env_vars
+
 
 def now(node_local: Path | None) -> NoReturn:
     """Lose this process's node: delete `node_local`, then stop and kill the node's processes and this one."""
@@ -40,13 +42,13 @@ def now(node_local: Path | None) -> NoReturn:
 
 def node_processes() -> set[int]:
     """This job's processes on this node, their slurmstepds and the node's slurmd ({} outside SLURM)."""
-    job, node = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURMD_NODENAME")
+    job, node = os.environ.get(env_vars.SLURM_JOB_ID), os.environ.get(env_vars.SLURMD_NODENAME)
     if not job or not node:
         return set()
     tasks = set()
     for pid in _pids():
         env = _environ(pid)
-        if env.get("SLURM_JOB_ID") == job and env.get("SLURMD_NODENAME") == node:
+        if env.get(env_vars.SLURM_JOB_ID) == job and env.get(env_vars.SLURMD_NODENAME) == node:
             tasks.add(pid)
     stepds = {ppid for pid in tasks if _comm(ppid := _ppid(pid)) == "slurmstepd"}
     return tasks | stepds | _slurmd(node)
@@ -57,9 +59,9 @@ def _slurmd(node: str) -> set[int]:
     named = [pid for pid in daemons if _node_arg(pid) == node]
     if not named:
         named = [pid for pid in daemons if _node_arg(pid) is None]
-    conf = os.environ.get("SLURM_CONF")
+    conf = os.environ.get(env_vars.SLURM_CONF)
     if len(named) > 1:
-        named = [pid for pid in named if _environ(pid).get("SLURM_CONF") == conf]
+        named = [pid for pid in named if _environ(pid).get(env_vars.SLURM_CONF) == conf]
     if len(named) > 1:
         named = [pid for pid in named if _mnt_ns(pid) == _mnt_ns(os.getpid())]
     return set(named)
