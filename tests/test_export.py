@@ -175,13 +175,15 @@ def bpe_export(tmp_path_factory) -> tuple[Path, Path, Path]:
 
 def trainer_logits(run: Path, ids: list[int]) -> np.ndarray:
     """The trainer's own forward pass on the run's newest verified checkpoint, restored on one CPU device."""
+    import jax
+
     from trainer.core import weights
     from trainer.core.model import GPT
     from trainer.observe import pick
 
     loaded = weights.on_cpu(pick.pick(run))
     assert loaded.model.compute_dtype == "float32"  # the comparisons are of fp32 math
-    return np.asarray(GPT(loaded.model).apply({"params": loaded.params}, np.asarray([ids], np.int32))[0])
+    return np.asarray(jax.jit(GPT(loaded.model).apply)({"params": loaded.params}, np.asarray([ids], np.int32))[0])
 
 
 # --- 1: the exported files are GPT-2, and `sample` decodes like it ------------------------------------
@@ -264,7 +266,7 @@ def test_a_bias_free_model_exports_as_gpt2_with_zero_biases():
     assert set(w) == gpt2_names(n_layer=2)
     assert all(not w[k].any() for k in w if k.endswith(".bias"))
     ids = list(TEXT[:32])
-    ours = np.asarray(model.apply({"params": params}, np.asarray([ids], np.int32))[0])
+    ours = np.asarray(jax.jit(model.apply)({"params": params}, np.asarray([ids], np.int32))[0])
     diff = float(np.abs(ours - gpt2_logits(config_json(cfg, 256), w, ids)).max())
     print(f"bias-free export: logits max abs diff vs independent numpy GPT-2 {diff:.2e}")
     assert diff < 1e-4

@@ -34,7 +34,8 @@ def test_logits_are_causal():
     model, params = _init(CFG)
     tokens = jax.random.randint(jax.random.key(1), (2, CFG.seq_len), 0, 256)
     changed = tokens.at[:, 20].set((tokens[:, 20] + 1) % 256)
-    a, b = model.apply({"params": params}, tokens), model.apply({"params": params}, changed)
+    apply = jax.jit(model.apply)  # one compile for both calls (op by op dispatch costs seconds on 2 cores)
+    a, b = apply({"params": params}, tokens), apply({"params": params}, changed)
     assert a.shape == (2, CFG.seq_len, CFG.vocab_size)
     assert np.array_equal(a[:, :20], b[:, :20])  # the past does not see the future
     assert not np.allclose(a[:, 20:], b[:, 20:])
@@ -119,7 +120,8 @@ def test_scanned_and_unrolled_layers_compute_the_same_function():
     shapes = jax.eval_shape(lambda: unrolled.init(jax.random.key(0), jnp.zeros((1, L), jnp.int32))["params"])
     assert jax.tree.map(lambda x: x.shape, nn.meta.unbox(shapes)) == jax.tree.map(lambda x: x.shape, as_unrolled)
     tokens = jax.random.randint(jax.random.key(3), (2, L), 0, 256)
-    a, b = model.apply({"params": params}, tokens), unrolled.apply({"params": as_unrolled}, tokens)
+    a = jax.jit(model.apply)({"params": params}, tokens)
+    b = jax.jit(unrolled.apply)({"params": as_unrolled}, tokens)
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -231,7 +233,8 @@ def test_llama_is_causal_and_rotary_scores_depend_on_relative_position_only():
     model, params = _init(LLAMA)
     tokens = jax.random.randint(jax.random.key(1), (2, L), 0, 256)
     changed = tokens.at[:, 20].set((tokens[:, 20] + 1) % 256)
-    a, b = model.apply({"params": params}, tokens), model.apply({"params": params}, changed)
+    apply = jax.jit(model.apply)  # one compile for both calls (op by op dispatch costs seconds on 2 cores)
+    a, b = apply({"params": params}, tokens), apply({"params": params}, changed)
     assert np.array_equal(a[:, :20], b[:, :20]) and not np.allclose(a[:, 20:], b[:, 20:])
     q, k = jax.random.normal(jax.random.key(4), (2, 1, 1, 1, K))
     rq, rk = (rotary(jnp.broadcast_to(x, (1, L, 1, K)), 10000.0)[0, :, 0] for x in (q, k))
@@ -249,7 +252,8 @@ def test_llama_scanned_and_unrolled_compute_the_same_function():
     layer_params = {f"block_{i}": jax.tree.map(lambda x, i=i: x[i], params["blocks"]) for i in range(N)}
     as_unrolled = {**{k: v for k, v in params.items() if k != "blocks"}, **layer_params}
     tokens = jax.random.randint(jax.random.key(3), (2, L), 0, 256)
-    a, b = model.apply({"params": params}, tokens), unrolled.apply({"params": as_unrolled}, tokens)
+    a = jax.jit(model.apply)({"params": params}, tokens)
+    b = jax.jit(unrolled.apply)({"params": as_unrolled}, tokens)
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -275,7 +279,7 @@ def test_llama_under_every_remat_policy_and_mqa_computes_the_same_loss_and_gradi
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     mqa = dataclasses.replace(LLAMA, n_kv_heads=1)
     _, p1 = _init(mqa)
-    loss = GPT(mqa).apply({"params": p1}, tokens[:, :-1])
+    loss = jax.jit(GPT(mqa).apply)({"params": p1}, tokens[:, :-1])
     assert nn.meta.unbox(p1)["blocks"]["kv"]["kernel"].shape == (N, D, 2, 1, K) and np.isfinite(np.asarray(loss)).all()
 
 
