@@ -305,11 +305,17 @@ class GPT(nn.Module):
         return nn.with_logical_constraint(logits_BLV, ("batch", "seq", "vocab"))
 
 
-def param_axes(model: GPT):
-    """Each param's logical axis names (a PartitionSpec per leaf; "layers" first under `model.scan`), read off
-    an abstract init: no FLOPs, no memory."""
+def abstract_params(model: GPT):
+    """The params' shapes and dtypes, each boxed with its logical axis names ("layers" first under
+    `model.scan`): an abstract init, no FLOPs, no memory. Traced once per process: the optimizer's decay mask
+    and the state's shardings both read it (a trace of a large model costs seconds of every restart)."""
     tokens = jnp.zeros((1, model.cfg.seq_len), jnp.int32)
-    return nn.get_partition_spec(jax.eval_shape(lambda: model.init(jax.random.key(0), tokens)["params"]))
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens)["params"])
+
+
+def param_axes(model: GPT, params=None):
+    """Each param's logical axis names (a PartitionSpec per leaf), from `abstract_params` or the given one."""
+    return nn.get_partition_spec(abstract_params(model) if params is None else params)
 
 
 def flops_per_token(cfg: ModelConfig, n_params: int) -> float:

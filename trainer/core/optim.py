@@ -40,15 +40,18 @@ def _decays(axes) -> bool:
     return DECAY_AXIS in names and names.isdisjoint(NO_DECAY_AXES)
 
 
-def decay_mask(model_cfg: ModelConfig):
-    """True for each param that weight decay reaches (a pytree shaped like the params, unboxed)."""
-    return jax.tree.map(_decays, param_axes(GPT(model_cfg)))
+def decay_mask(model_cfg: ModelConfig, params=None):
+    """True for each param that weight decay reaches (a pytree shaped like the params, unboxed). `params`:
+    the model's abstract params (model.abstract_params) when the caller has them already."""
+    return jax.tree.map(_decays, param_axes(GPT(model_cfg), params))
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int, model_cfg: ModelConfig) -> optax.GradientTransformation:
+def make_optimizer(
+    cfg: OptimConfig, total_steps: int, model_cfg: ModelConfig, params=None
+) -> optax.GradientTransformation:
     sched = schedule(cfg, total_steps)
     # A fixed pytree, not a function of the params: the step's params are unboxed and carry no axis names.
-    mask = decay_mask(model_cfg)
+    mask = decay_mask(model_cfg, params)
 
     def chain(lr_scale, clip_norm, b2):
         return optax.chain(

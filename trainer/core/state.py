@@ -15,7 +15,7 @@ import optax
 from jax.sharding import Mesh
 
 from trainer.core.mesh import active, rules
-from trainer.core.model import GPT
+from trainer.core.model import GPT, abstract_params
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,23 @@ def _init_boxed(model: GPT, tx: optax.GradientTransformation, seed: int, seq_len
     }
 
 
-def build(model: GPT, tx: optax.GradientTransformation, mesh: Mesh, *, seed: int, seq_len: int) -> StateSpec:
+def _abstract_boxed(params, tx: optax.GradientTransformation):
+    """What _init_boxed returns, abstractly, from the model's abstract params (model.abstract_params): only the
+    optimizer's init is traced, not the model again."""
+    return {
+        "step": jax.ShapeDtypeStruct((), jnp.int32),
+        "params": params,
+        "opt_state": jax.eval_shape(tx.init, params),
+        "rng": jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))),
+    }
+
+
+def build(
+    model: GPT, tx: optax.GradientTransformation, mesh: Mesh, *, seed: int, seq_len: int, params=None
+) -> StateSpec:
+    """`params`: the model's abstract params when the caller has traced them already (see worker.state_spec)."""
     with active(mesh, model.cfg):
-        boxed = jax.eval_shape(lambda: _init_boxed(model, tx, seed, seq_len))
+        boxed = _abstract_boxed(abstract_params(model) if params is None else params, tx)
     specs = nn.get_partition_spec(boxed)
     shardings = nn.logical_to_mesh_sharding(specs, mesh, rules(mesh, model.cfg))
     unboxed = nn.meta.unbox(boxed)

@@ -20,7 +20,7 @@ from trainer.config import FROZEN_KEYS, Config, ConfigError, dump_yaml, to_dict
 from trainer.core import data, optim, tiers, weights
 from trainer.core import mesh as mesh_lib
 from trainer.core import state as state_lib
-from trainer.core.model import GPT, mlp_width
+from trainer.core.model import GPT, abstract_params, mlp_width
 from trainer.core.replicas import ReplicaCheck
 from trainer.observe import alerts, checkpoint_files, env_vars, rundir
 from trainer.observe.event_names import (
@@ -213,8 +213,10 @@ def _announce_changes(cfg: Config, events: EventLog, saved: dict | None, microba
 def state_spec(cfg: Config, mesh: jax.sharding.Mesh) -> state_lib.StateSpec:
     """The train state's spec for a config on a mesh (the model, its optimizer, the seeded init): what the
     worker trains, and what inspect and the benchmarks compile."""
-    tx = optim.make_optimizer(cfg.optim, cfg.train.steps, cfg.model)
-    return state_lib.build(GPT(cfg.model), tx, mesh, seed=cfg.run.seed, seq_len=cfg.model.seq_len)
+    model = GPT(cfg.model)
+    params = abstract_params(model)  # traced once: the decay mask and the state's shardings both read it
+    tx = optim.make_optimizer(cfg.optim, cfg.train.steps, cfg.model, params)
+    return state_lib.build(model, tx, mesh, seed=cfg.run.seed, seq_len=cfg.model.seq_len, params=params)
 
 
 def setup(cfg: Config) -> Worker:
