@@ -338,7 +338,7 @@ def _write_conf(
         "KillWait=2",
         "MinJobAge=3600",
         # Job ids unique across the clusters of one machine: a job's services derive ports from its id (the
-        # trainer's jax coordinator: 20000 + id + attempt), and two clusters both starting at job 1 would
+        # trainer's jax coordinator: 20000 + (id + attempt) % 12768), and two clusters both starting at job 1 would
         # hand two jobs the same port on 127.0.0.1.
         f"FirstJobId={_first_job_id()}",
         "InactiveLimit=0",

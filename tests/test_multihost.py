@@ -358,6 +358,13 @@ def test_membership_from_explicit_settings_or_a_slurm_step():
     }
     m = membership.detect(lc, step)
     assert (m.processes, m.process_id, m.coordinator) == (4, 3, "gpu012:20009")
+    # Any job id, any attempt: below Linux's ephemeral ports (32768 up), which outgoing connections may hold.
+    ports = [
+        membership.slurm_port(lc, {**step, "SLURM_JOB_ID": str(j), "TRAINER_ATTEMPT": str(a)})
+        for j in (12767, 13500, 99999, 4_000_000)
+        for a in (0, 1, 2, 999)
+    ]
+    assert all(20000 <= p < 32768 for p in ports) and len(set(ports)) == len(ports), ports
     batch = {k: v for k, v in step.items() if k != "SLURM_STEP_ID"}  # the batch script is not a task
     assert membership.detect(lc, batch).processes == 1
     with pytest.raises(ConfigError, match="TRAINER_COORDINATOR"):
@@ -401,7 +408,7 @@ def started_twice(tmp_path_factory) -> tuple[Path, str, float, float]:
     over = group_overrides(
         corpus,
         *TWO,
-        "train.steps=12",
+        "train.stop_at_step=12",  # of the reference's 30 steps: its compiled step, from the cache
         "checkpoint.every_steps=0",
         f"checkpoint.local_dir={base / 'local'}",
         "checkpoint.local_every_steps=10",
@@ -442,7 +449,9 @@ def test_a_worker_failing_at_start_up_is_torn_down_and_restarted_in_seconds(star
     teardown_s, restart_s = exit1["time"] - fired, start2["time"] - fired
     assert teardown_s < 5 and restart_s < 6, (teardown_s, restart_s)
     assert "0: trainer.supervise.faults.InjectedStartupError: injected fault" in stderr
-    assert summary(run)["final_step"] == 12 and summary(run)["restarts"] == 1
+    # stopped at train.stop_at_step (the worker's event, then the supervisor's), after one restart
+    stopped = [(e["step"], e.get("by")) for e in evs if e["event"] == "stopped"]
+    assert stopped == [(12, None), (12, "supervisor")] and summary(run)["restarts"] == 1, stopped
     print(f"start-up failure: group torn down {teardown_s:.2f}s and restarted {restart_s:.2f}s after the fault")
 
 

@@ -188,7 +188,7 @@ class LaunchConfig:
     processes_per_node: int = 1  # slurm: tasks per node (several emulate hosts on one node)
     min_processes: int = 0  # slurm: with no spare node left, shrink down to this many (0 = never shrink)
     suspect_retry_minutes: float = 0.0  # slurm: retry a suspect SLURM says is up after this long; shrunk: regrow
-    coordinator_port: int = 0  # 0 = local: a free port, slurm: from the job id; the attempt number is added
+    coordinator_port: int = 0  # 0 = local: a free port, slurm: from the job id (20000-32767); + the attempt
     init_timeout_s: int = 300  # how long processes wait for each other in jax.distributed.initialize
     exit_grace_s: float = 30.0  # after one process exits cleanly, how long the others get to follow
 

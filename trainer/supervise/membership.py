@@ -30,11 +30,20 @@ def first_host(nodelist: str) -> str:
     return nodelist[:i] + inside[: next(k for k, ch in enumerate(inside) if ch in ",-]")]
 
 
+# Derived coordinator ports stay in [20000, 32768): below Linux's ephemeral range (ip_local_port_range starts
+# at 32768), where any outgoing connection on the coordinator's host may hold the port. Seen in CI: job 13500's
+# second attempt (port 33502) failed "Failed to start RPC server" and its node was blamed for it.
+PORT_LOW, PORT_HIGH = 20000, 32768
+
+
 def slurm_port(cfg: LaunchConfig, env: Mapping[str, str]) -> int:
     """Same on every task without talking: derived from the job id (or the configured base), plus the
     attempt, so a restarted step never waits for the killed coordinator's port."""
-    base = cfg.coordinator_port or 20000 + int(env.get(env_vars.SLURM_JOB_ID, "0")) % 20000
-    return base + int(env.get(env_vars.ATTEMPT, "0")) % 1000
+    attempt = int(env.get(env_vars.ATTEMPT, "0"))
+    if cfg.coordinator_port:
+        return cfg.coordinator_port + attempt % 1000
+    job = int(env.get(env_vars.SLURM_JOB_ID, "0"))
+    return PORT_LOW + (job + attempt) % (PORT_HIGH - PORT_LOW)
 
 
 def in_slurm_step(env: Mapping[str, str]) -> bool:
