@@ -7,10 +7,12 @@ import fcntl
 import hashlib
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -162,3 +164,24 @@ def reference_run(tmp_path_factory):
         return built_once(tmp_path_factory, f"reference-{key}", lambda d: run_trainer(d, *overrides, worker=True))
 
     return get
+
+
+CPU_LOG = os.environ.get("TRAINER_TESTS_CPU_LOG", "")
+
+
+@pytest.fixture(autouse=bool(CPU_LOG))
+def _cpu_log(request):
+    """Opt-in (TRAINER_TESTS_CPU_LOG=FILE): each test's wall and CPU seconds, its own and its waited-for
+    children's (the trainer processes it ran and their workers; not a SLURM job's, whose tasks are the
+    daemons' children), appended as one JSON line. The suite's budget is CPU on 2 cores: tests/README's
+    tables come from this file."""
+
+    def cpu() -> float:
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    c0, t0 = cpu(), time.time()
+    yield
+    row = {"test": request.node.nodeid, "wall": round(time.time() - t0, 2), "cpu": round(cpu() - c0, 2)}
+    with open(CPU_LOG, "a") as f:
+        f.write(json.dumps(row) + "\n")

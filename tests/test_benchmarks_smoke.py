@@ -148,7 +148,7 @@ def test_gpu_check_stops_a_part_at_its_time_budget(tmp_path):
     )
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
-    parts = ("gpt-1b", "gpt2-124m", "bitwise_resume")
+    parts = ("gpt-1b", "llama-1b", "gpt2-124m", "bitwise_resume")  # gpu_check's order
     print({k: r.get(k) for k in ("wall_s", *parts)})
     assert r["wall_s"] < 15 + 10, r["wall_s"]  # the budget, plus killing the run and collecting the result
     stopped = [k for k in parts if str(r[k].get("error", "")).startswith("stopped: time budget of 15s spent during")]
