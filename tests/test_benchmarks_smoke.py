@@ -138,11 +138,12 @@ def test_kill_after_waits_for_the_checkpoint_to_be_sealed_not_only_committed(tmp
 
 
 def test_gpu_check_stops_a_part_at_its_time_budget(tmp_path):
-    """gpu_check --cpu-smoke with a 15 s budget, shorter than the whole sequence: the part running when it
-    ends (the first on a loaded machine, the second on an idle one) is killed then, not checked only between
-    parts, and the parts after it are skipped."""
-    out = tmp_path / "gpu.json"
-    cmd = [sys.executable, "benchmarks/gpu_check.py", "--cpu-smoke", "--budget-s", "15", "--work", str(tmp_path)]
+    """gpu_check --cpu-smoke with an 8 s budget, which ends inside the first part (its run alone, a cold
+    compile and 12 steps, takes about 14 s on an idle 2-core machine, more on a loaded one; the device copy
+    before it about 1 s): that part is killed then, not checked only between parts, and the parts after it
+    are skipped. (A 15 s budget could end between two parts, as it did on an idle machine: nothing to stop.)"""
+    out, budget = tmp_path / "gpu.json", 8
+    cmd = [sys.executable, "benchmarks/gpu_check.py", "--cpu-smoke", "--budget-s", str(budget), "--work", str(tmp_path)]
     p = subprocess.run(
         [*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env()
     )
@@ -150,8 +151,7 @@ def test_gpu_check_stops_a_part_at_its_time_budget(tmp_path):
     r = json.loads(out.read_text())
     parts = ("gpt-1b", "llama-1b", "gpt2-124m", "bitwise_resume")  # gpu_check's order
     print({k: r.get(k) for k in ("wall_s", *parts)})
-    assert r["wall_s"] < 15 + 10, r["wall_s"]  # the budget, plus killing the run and collecting the result
-    stopped = [k for k in parts if str(r[k].get("error", "")).startswith("stopped: time budget of 15s spent during")]
-    assert len(stopped) == 1, r
-    later = parts[parts.index(stopped[0]) + 1 :]
-    assert all(r[k] == {"skipped": "time budget of 15s spent"} for k in later), r
+    assert r["wall_s"] < budget + 10, r["wall_s"]  # the budget, plus killing the run and collecting the result
+    spent = f"time budget of {budget}s spent"
+    assert str(r["gpt-1b"].get("error", "")).startswith(f"stopped: {spent} during"), r
+    assert all(r[k] == {"skipped": spent} for k in parts[1:]), r
