@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from conftest import ROOT, child_env, events, run_trainer, step_losses, summary,
 from test_layout import _cli
 
 from trainer.observe import checkpoint_files, manifest
+from trainer.observe.checkpoint_files import DURABLE, LOCAL
 from trainer.supervise import exit_codes
 
 
@@ -106,11 +108,14 @@ def test_a_bad_newest_checkpoint_is_rejected_and_the_previous_one_used(tmp_path,
         listed = {e["step"]: e for e in json.loads(out.stdout)}
         assert out.returncode == 1 and not listed[20]["verified"] and bad_file in listed[20]["detail"], out.stderr
         assert all(listed[s]["verified"] for s in (5, 10, 15))
-    run_trainer(run, "checkpoint.every_steps=5", worker=True)
+    # what was rejected and restored is asserted before the exit code: a restore that went wrong also ends
+    # the run badly, and the assertion that names the wrong choice is the one to fail
+    proc = run_trainer(run, "checkpoint.every_steps=5", worker=True, check=False)
     rejected = _of(run, "checkpoint_rejected")
     assert [(e["step"], e["tier"], e["file"]) for e in rejected] == [(20, "durable", bad_file)], rejected
     assert reason in rejected[0]["reason"], rejected
     assert [(e["step"], e["tier"]) for e in _of(run, "restore")] == [(15, "durable")]  # the previous, not the oldest
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert [p.name.split("-")[0] for p in (run / checkpoint_files.REJECTED).iterdir()] == ["20"]
     _same_as(run, ref)
 
@@ -142,15 +147,34 @@ def test_retention_keeps_the_newest_sealed_checkpoint_until_a_newer_one_is_seale
 
 
 def test_possibly_transient_read_errors_are_retried_and_others_are_not():
-    calls = []
+    """3 retries after 1, 2 and 4 s (README). The waits are timed around real sleeps, from below only (a sleep
+    never ends early; a loaded machine only lengthens it), so no bound here can flake."""
+    from trainer.core import tiers
 
-    def flaky():
-        calls.append(1)
-        if len(calls) < 3:
+    calls: list[float] = []
+
+    def flaky(failures: int):
+        calls.append(time.perf_counter())
+        if len(calls) <= failures:
             raise OSError(errno.EIO, "Input/output error")
         return "read"
 
-    assert manifest.retrying(flaky, retries=3, wait_s=0.01) == "read" and len(calls) == 3
+    def outcome(failures: int, wait_s: float) -> str:
+        calls.clear()
+        try:
+            return manifest.retrying(lambda: flaky(failures), wait_s=wait_s)
+        except OSError:
+            return "gave up"
+
+    wait = 0.1  # the schedule's unit, scaled down from 1 s
+    assert (outcome(3, wait), len(calls)) == ("read", 4), "not 3 retries by default"
+    gaps = [b - a for a, b in zip(calls, calls[1:])]
+    assert all(g >= wait * 2**i for i, g in enumerate(gaps)), f"the waits do not double: {gaps}"
+    assert (outcome(4, 0.001), len(calls)) == ("gave up", 4)  # a 4th failure counts against the checkpoint
+    # The restore path's reads retry with the default schedule: the first wait is 1 s.
+    calls.clear()
+    assert tiers._unreadable(lambda: flaky(1)) is None, "a transient error on the restore path was not retried"
+    assert len(calls) == 2 and calls[1] - calls[0] >= 1.0, calls
     timeout = ValueError("DEADLINE_EXCEEDED: reading the OCDBT manifest")
     assert manifest.is_transient(timeout) and manifest.is_transient(TimeoutError())
     for permanent in (FileNotFoundError(errno.ENOENT, "gone"), ValueError("Unterminated string")):
@@ -170,20 +194,54 @@ def test_possibly_transient_read_errors_are_retried_and_others_are_not():
 
 @pytest.mark.slow
 def test_a_bitflip_in_one_replica_is_caught_rewound_and_the_run_ends_identical(tmp_path, reference_run):
+    """Checks every 7 steps and before every save (every 10): the flip before step 15 is caught by the check
+    before the save of step 20 (the periodic one would come at 21), so the corrupt state is never saved, and
+    the last check that passed was the periodic one of step 14."""
     ref = reference_run()  # the tiny config's mesh: data 2 x fsdp 2 x tensor 2; params are replicated over data
     run = tmp_path / "run"
-    proc = run_trainer(run, "integrity.replica_check_steps=5", "faults=[{kind: bitflip, step: 12}]")
+    proc = run_trainer(run, "integrity.replica_check_steps=7", "faults=[{kind: bitflip, step: 15}]")
+    # caught before the save of 20, not by the periodic check of 21; the last check passed: the periodic one of 14
+    assert [(m["step"], m["last_good"]) for m in _of(run, "replica_mismatch")] == [(20, 14)]
     (mismatch,) = _of(run, "replica_mismatch")
-    assert 12 < mismatch["step"] <= 12 + 5 and mismatch["last_good"] == 10, mismatch
     odd = [d for d in mismatch["devices"] if d["odd"]]
     assert {d["data"] for d in odd} == {0, 1} and len({(d["fsdp"], d["tensor"]) for d in odd}) == 1, mismatch
     assert "silent data corruption" in proc.stderr
-    (rewind,) = _of(run, "replica_rewind")
-    assert rewind["to"] == 10 and rewind["moved"] == []  # every save was checked first: none is newer
+    rewinds = [(e["to"], e["moved"]) for e in _of(run, "replica_rewind")]
+    assert rewinds == [(10, [])]  # every save was checked first: none is newer
     assert [e.get("exit_code") for e in _of(run, "worker_exit")] == [exit_codes.REPLICA_MISMATCH, 0]
     assert [(e["step"], e["tier"]) for e in _of(run, "restore")] == [(10, "durable")]
     assert not (run / "faults_fired.json").read_text() == "[]"
-    _same_as(run, ref)
+    # The run ends identical: the final params, and every step's loss as the last attempt logged it (an
+    # attempt that trained on a corrupt replica logged what it computed, before the check caught it).
+    assert summary(run)["params_sha256"] == summary(ref)["params_sha256"]
+    assert {k: v[-1] for k, v in step_losses(run).items()} == {k: v[0] for k, v in step_losses(ref).items()}
+
+
+def test_the_replica_rewind_moves_checkpoints_newer_than_the_last_good_step_aside(tmp_path):
+    """The supervisor's half, on its own: the end-to-end runs above never leave a checkpoint newer than
+    `last_good` (every save is checked first), so what the rewind does with one is only seen here."""
+    from test_tiers import restore, save, tiers
+
+    from trainer.observe.events import EventLog
+    from trainer.supervise import replica_rewind
+
+    run = tmp_path / "run"
+    t = tiers(run)
+    for step in (10, 15, 20):
+        save(t, step, DURABLE)
+    t.close()
+    log = EventLog(run / "events.jsonl")
+    log.write("worker_start", pid=1)
+    devices = [{"device": 0, "process": 0, "odd": False}, {"device": 1, "process": 0, "odd": True}]
+    log.write("replica_mismatch", step=22, last_good=12, param="w", devices=devices)
+    log.close()
+    written: list[dict] = []
+    replica_rewind.rewind(run, lambda name, **f: written.append(dict(f, event=name)), tag=1, nodes=["n0"])
+    (rewind,) = written
+    assert (rewind["to"], rewind["moved"]) == (10, [15, 20]), "checkpoints newer than last_good were kept"
+    assert checkpoint_files.committed_steps(run / "checkpoints") == [10]
+    assert sorted(p.name for p in (run / checkpoint_files.REWOUND).iterdir()) == ["15-replica1", "20-replica1"]
+    assert restore(tiers(run)) == (10, DURABLE, 10.0)  # the restart: the last checkpoint before the corruption
 
 
 # --- the node-local tier ------------------------------------------------------------------------------
@@ -284,6 +342,77 @@ def test_events_and_tensorboard_survive_a_full_disk(tmpfs, capfd):
     assert all(json.loads(x) for x in lines) and json.loads(lines[-1])["step"] == 999  # whole lines only
 
 
+def test_a_local_save_that_fails_turns_the_local_tier_off_and_the_durable_tier_goes_on(tmp_path, tmpfs):
+    """A full RAM disk under checkpoint.local_dir: one checkpoint_failed (tier local), no more local saves in
+    this attempt, durable saves and the run go on; the next attempt (a restart) uses the local tier again."""
+    from test_tiers import restore, save, tiers
+
+    run, local, log = tmp_path / "run", tmpfs / "local", []
+    t = tiers(run, local, log=log)
+    filler = _fill(tmpfs, 0.5)
+    save(t, 2, LOCAL, size=1 << 18)  # 1 MB: fails in Orbax's background write
+    for _ in range(3000):  # the loop asks every step; the failure surfaces once the background write failed
+        assert t.failure() is None, "a local failure stops the run"  # only a durable failure does
+        if log:
+            break
+        time.sleep(0.01)
+    save(t, 4, LOCAL)
+    save(t, 4, DURABLE)
+    save(t, 6, LOCAL)
+    assert t.failure() is None
+    failed = [(e["tier"], "the disk is full" in e["message"]) for e in log if e["event"] == "checkpoint_failed"]
+    assert failed == [(LOCAL, True)], log  # once: the tier is off, later local saves are not even tried
+    t.close()
+    assert checkpoint_files.committed_steps(checkpoint_files.local_dir(str(local), run, 0, t.node)) == []
+    assert restore(tiers(run, local)) == (4, DURABLE, 4.0)
+    filler.unlink()
+    t = tiers(run, local, log=log)  # the next attempt
+    save(t, 8, LOCAL)
+    t.close()
+    assert restore(tiers(run, local)) == (8, LOCAL, 8.5), "the local tier stayed off after a restart"
+
+
+HEARTBEAT_ON_A_FULL_DISK = """
+import json, sys, time
+from pathlib import Path
+from trainer.observe import heartbeat
+run, filler = Path(sys.argv[1]), Path(sys.argv[2])
+hb = heartbeat.Heartbeat(run, 0)
+hb.beat("step", 1)
+with open(filler, "wb", buffering=0) as fh:  # fill the disk to its last page (a short write, then ENOSPC)
+    try:
+        while fh.write(bytes(1 << 20)):
+            pass
+    except OSError:
+        pass
+hb.beat("step", 2)  # dropped: the last beat stays
+time.sleep(heartbeat.PULSE_S * 1.5)  # the pulse thread meets the full disk too
+full = heartbeat.read(heartbeat.heartbeat_path(run, 0))["step"]
+filler.unlink()
+hb.beat("step", 3)
+t0 = time.time()
+while (heartbeat.read_json(heartbeat.pulse_path(run, 0)) or {}).get("time", 0) < t0 and time.time() < t0 + 10:
+    time.sleep(0.05)
+pulse = heartbeat.read_json(heartbeat.pulse_path(run, 0))["time"] >= t0
+print(json.dumps([full, heartbeat.read(heartbeat.heartbeat_path(run, 0))["step"], pulse]))
+"""
+
+
+def test_heartbeats_and_pulses_survive_a_full_disk(tmpfs):
+    """In a process of its own (the pulse thread outlives any test): on a full disk a beat is dropped and the
+    last one stays, the pulse thread lives on; both write again once there is space."""
+    out = subprocess.run(
+        [sys.executable, "-c", HEARTBEAT_ON_A_FULL_DISK, str(tmpfs / "run"), str(tmpfs / "filler")],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout) == [1, 3, True], out.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_a_full_disk_stops_the_run_clearly_and_the_same_command_resumes(tmpfs, reference_run):
     ref = reference_run()
@@ -295,6 +424,8 @@ def test_a_full_disk_stops_the_run_clearly_and_the_same_command_resumes(tmpfs, r
     assert time.time() - t0 < 240  # stopped at once: no restarts into a full disk
     assert "the disk is full" in proc.stderr and "rerun the same command" in proc.stderr
     assert "giving up (checkpoint storage failed)" in proc.stderr
+    failed = [(e["tier"], "the disk is full" in e["message"]) for e in _of(run, "checkpoint_failed")]
+    assert failed == [("durable", True)], "no checkpoint_failed event"
     kept = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
     # The disk may fill inside Orbax's write (no step dir appears) or after its commit, while the manifest is
     # written (the step dir stays, unsealed: never restored). Either way every sealed checkpoint is intact, and
