@@ -17,7 +17,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, child_env, events, need_transformers, run_trainer, step_losses, summary, trainer_cmd
+from conftest import (
+    MICRO,
+    ROOT,
+    TINY,
+    child_env,
+    events,
+    need_transformers,
+    run_trainer,
+    step_losses,
+    summary,
+    trainer_cmd,
+)
 from multihost import ONE, group_overrides, small_corpus, wait_for
 from multihost import reference as group_reference
 from safetensors import safe_open
@@ -152,9 +163,10 @@ def fine_tuned(group, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def bpe_export(tmp_path_factory) -> tuple[Path, Path, Path]:
-    """(run, prepared DIR, export dir) of 2 steps on one device with a 300-token BPE trained on its text."""
+    """(run, prepared DIR, export dir) of 2 steps on one device with a 300-token BPE trained on its text; the
+    export dir's parents did not exist (README's `--out exports/tiny` on a fresh clone)."""
     root = tmp_path_factory.mktemp("bpe")
-    run, out = root / "run", root / "gpt2"
+    run, out = root / "run", root / "exports" / "nested" / "gpt2"
     run_trainer(
         run,
         f"data.path={small_corpus(root)}",
@@ -294,28 +306,51 @@ def test_a_prepared_tokenizer_is_exported_and_sample_uses_it(bpe_export):
     p = cli("sample", str(run), "--prompt", "the data step", "--max-new-tokens", "8", "--seed", "3", "--json")
     assert p.returncode == 0, p.stderr
     got = json.loads(p.stdout)
-    assert got["prompt_ids"] == tok.encode("the data step").ids and 1 <= len(got["new_ids"]) <= 8
+    assert got["prompt_ids"] == tok.encode("the data step").ids
+    # Exactly the draws of seed 3 at the default temperature 0.8 (the same seed gives the same text in any
+    # process), decoded by the prepared tokenizer.
+    from trainer.core import weights
+    from trainer.core.sample import generate
+    from trainer.observe import pick
+
+    loaded = weights.on_cpu(pick.pick(str(run), None))
+    want = generate(loaded, got["prompt_ids"], max_new_tokens=8, temperature=0.8, seed=3, eos_id=eos)
+    assert got["new_ids"] == want, (got, want)
     assert got["text"] == tok.decode([i for i in got["new_ids"] if i != eos], skip_special_tokens=False)
 
 
-def test_export_creates_missing_parents_atomically_and_refuses_a_non_empty_out(bpe_export, tmp_path):
-    """The README's `--out exports/tiny` on a fresh clone: the missing parent is made and the directory appears
-    whole (nothing but it beside it afterwards); an existing non-empty --out, or a parent that is a file, is
-    refused in one line and nothing is written; a refused export creates no parent."""
-    run, _, first = bpe_export
-    out = tmp_path / "exports" / "nested" / "tiny"
-    assert export(run, out) == export_hashes(first)
-    assert [p.name for p in out.parent.iterdir()] == ["tiny"]  # no temp dir left beside it
+def _without_torch(tmp_path: Path) -> dict[str, str]:
+    """child_env() where `import torch` and `import transformers` fail as if they were not installed."""
+    shim = tmp_path / "no-torch"
+    for name in ("torch", "transformers"):
+        (shim / name).mkdir(parents=True)
+        (shim / name / "__init__.py").write_text(f"raise ModuleNotFoundError('{name} is not installed (test shim)')\n")
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shim), env.get("PYTHONPATH", "")]))
+    return env
 
-    (tmp_path / "full").mkdir()
-    (tmp_path / "full" / "keep.txt").write_text("mine")
-    p = cli("export", str(run), "--out", str(tmp_path / "full"))
+
+def test_export_creates_missing_parents_atomically_and_refuses_a_non_empty_out(bpe_export, tmp_path):
+    """README: `--out` must be new (its missing parents made, the fixture's case; the directory appears whole:
+    nothing but it beside it afterwards) or empty; an existing non-empty --out, or a parent that is a file, is
+    refused in one line and nothing is written; a refused export creates no parent. Neither torch nor
+    transformers is needed to export."""
+    run, _, first = bpe_export
+    assert [p.name for p in first.parent.iterdir()] == ["gpt2"]  # no temp dir left beside it
+
+    out = tmp_path / "empty"
+    out.mkdir()
+    blocked = cli("export", str(run), "--out", str(out), env=_without_torch(tmp_path))
+    assert blocked.returncode == 0, f"export needs torch or transformers: {blocked.stderr[-2000:]}"
+    assert export_hashes(out) == export_hashes(first)  # into an empty --out; the same bytes as the first export
+
+    before = tree_bytes(out)
+    p = cli("export", str(run), "--out", str(out))  # now non-empty: refused, no byte of it overwritten
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
     assert (
-        p.stderr == f"error: --out {tmp_path / 'full'} exists and is not an empty directory; pick a new one "
-        "(nothing was written)\n"
+        p.stderr == f"error: --out {out} exists and is not an empty directory; pick a new one (nothing was written)\n"
     )
-    assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
+    assert tree_bytes(out) == before
 
     (tmp_path / "afile").write_text("")
     p = cli("export", str(run), "--out", str(tmp_path / "afile" / "sub" / "tiny"))
@@ -479,6 +514,31 @@ def test_init_from_a_finished_run_live_export_and_bitwise_resume(group, fine_tun
     assert [e["step"] for e in events(run) if e["event"] == "restore"] == [3]
     assert summary(run)["params_sha256"] == summary(fine_tuned)["params_sha256"]
     assert {k: v[-1] for k, v in step_losses(run).items()} == {k: v[0] for k, v in step_losses(fine_tuned).items()}
+
+
+def test_init_from_a_step_dir_takes_that_checkpoints_params(group):
+    """README: train.init_from=RUN_DIR/checkpoints/STEP starts from that checkpoint, not the run's newest: the
+    resolution a worker start makes (weights.init_source) and the params it then restores (init_params)."""
+    import jax
+
+    from trainer.config import load_config
+    from trainer.core import weights
+    from trainer.core.state import params_sha256
+    from trainer.observe import pick
+
+    source, corpus = group
+    older = min(pick.steps(source))
+    assert older < newest(source) == 30, pick.steps(source)
+    step_dir = source / "checkpoints" / str(older)
+    cfg = load_config(TINY, [*MICRO, *group_overrides(corpus, *ONE, f"train.init_from={step_dir}")])
+    src = weights.init_source(cfg)
+    assert src["from_step"] == older and src["checkpoint"] == str(step_dir.absolute()) and src["verified"], src
+    device = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    target = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), weights.abstract_params(cfg.model)
+    )
+    got = params_sha256(weights.init_params(src, cfg.model, target))
+    assert got == params_sha256(weights.on_cpu(pick.pick(source, older)).params) != summary(source)["params_sha256"]
 
 
 def test_init_from_with_other_shapes_is_one_line_and_writes_nothing(group, tmp_path):

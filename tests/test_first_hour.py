@@ -121,6 +121,22 @@ def test_the_cli_lists_commands_suggests_and_never_trains_by_accident(tmp_path):
     assert "status" in bare.stderr and list(tmp_path.iterdir()) == []  # no runs/default
 
 
+def test_run_deterministic_adds_its_flag_to_xla_flags(monkeypatch):
+    """README: run.deterministic sets --xla_gpu_deterministic_ops=true in XLA_FLAGS (configure_devices runs
+    before the worker imports jax), after the flags already there, once; off, XLA_FLAGS is left as it was."""
+    from trainer.__main__ import configure_devices
+    from trainer.config import load_config
+
+    on, off = (load_config(None, [f"run.deterministic={v}"]) for v in ("true", "false"))
+    assert on.mesh.cpu_devices == 0  # no fake devices: configure_devices only edits the environment here
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_hlo_as_text")
+    configure_devices(off)
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_hlo_as_text"
+    configure_devices(on)
+    configure_devices(on)  # a worker restarted in the same environment
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_hlo_as_text --xla_gpu_deterministic_ops=true"
+
+
 def _bad_inputs(tmp: Path, run: Path) -> list[tuple[list[str], str]]:
     (tmp / "binary.yaml").write_bytes(bytes(range(256)))
     (tmp / "latin1.yaml").write_bytes("run:\n  dir: café\n".encode("latin-1"))

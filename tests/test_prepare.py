@@ -5,6 +5,7 @@ pre-tokenized imports, and bad input as one line with exit 2 and nothing written
 from __future__ import annotations
 
 import json
+import os
 from fractions import Fraction
 
 import numpy as np
@@ -12,7 +13,8 @@ import pytest
 from conftest import child_env
 from corpora import code_jsonl, files_bytes, meta, prepare_cli, prepared
 
-from trainer.corpus import shards, sources
+from trainer.config import ConfigError, DataConfig
+from trainer.corpus import cache, shards, sources
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +175,108 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, jsonl):
     existing.mkdir()
     p = prepare_cli("--input", jsonl, "--out", existing)
     assert p.returncode == 2 and "already exists" in p.stderr and list(existing.iterdir()) == []
+
+
+def _start_error(cfg, process: int = 0) -> str | None:
+    """What a training start says about its data (cache.ensure: the data step of every worker start), or None."""
+    try:
+        cache.ensure(cfg, process=process)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_a_text_file_is_one_document_and_a_directory_reads_records_one_each(tmp_path):
+    """README's --input forms: a text file is one document (its blank lines and newlines stay inside it, so it
+    has no validation split), and a directory's .jsonl/.parquet files give one document per record, its text
+    files one each, in sorted path order, other files ignored."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    text = "first paragraph\n\nsecond paragraph\nits second line\n"
+    (tmp_path / "in" / "a").mkdir(parents=True)
+    (tmp_path / "in" / "c.txt").write_text(text)
+    (tmp_path / "in" / "b.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in ("r1", "r2")))
+    pq.write_table(pa.table({"text": ["p1", "p2"]}), tmp_path / "in" / "a" / "z.parquet")
+    (tmp_path / "in" / "notes.csv").write_text("not,text\n")
+    eos = lambda d: np.append(np.frombuffer(d.encode(), np.uint8), 256)  # noqa: E731
+    one = prepared(tmp_path / "one", "--input", tmp_path / "in" / "c.txt", "--val-fraction", "0.5")
+    assert meta(one)["n_val_tokens"] == 0 and _tokens(one, "train").tolist() == eos(text).tolist()
+    mixed = prepared(tmp_path / "mixed", "--input", tmp_path / "in", "--val-fraction", "0")
+    want = np.concatenate([eos(d) for d in ("p1", "p2", "r1", "r2", text)])  # a/z.parquet < b.jsonl < c.txt
+    assert _tokens(mixed, "train").tolist() == want.tolist()
+
+
+def test_a_vocabulary_past_65536_gets_uint32_shards_checked_at_start(tmp_path):
+    """uint16 while the vocabulary fits, else uint32 (ids past 65535 intact); a training start checks every
+    shard's size against meta.json and refuses one that is not its length in tokens (a byte too many, or
+    a token too few: a torn copy), in one line naming the fix."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, 70_000)}, "<|endoftext|>": 70_000}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    docs = ["w69999 w65536 w7", "w65535 w1"]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    out = prepared(
+        tmp_path / "out",
+        "--input",
+        tmp_path / "docs.jsonl",
+        "--tokenizer",
+        tmp_path / "tokenizer.json",
+        "--val-fraction",
+        "0",
+    )
+    m = meta(out)
+    assert (m["vocab_size"], m["eos_id"]) == (70_001, 70_000)
+    assert m["dtype"] == "uint32" and _tokens(out, "train").tolist() == [69999, 65536, 7, 70000, 65535, 1, 70000], m
+
+    cfg = DataConfig(path=str(out))
+    assert _start_error(cfg) is None
+    shard = out / "train-00000.bin"
+    good = shard.read_bytes()
+    for bad, what in ((good + b"\0", "one byte too many"), (good[:-4], "one token too few")):
+        shard.write_bytes(bad)
+        err = _start_error(cfg) or ""
+        assert f"{shard}: {len(bad)} bytes, meta.json says {len(good)}; the prepared data is damaged" in err, what
+    shard.write_bytes(good)
+
+
+def test_a_process_waiting_for_an_unshared_cache_says_so_after_the_wait(tmp_path, monkeypatch):
+    """README: the processes other than 0 wait for process 0's meta.json in data.cache_dir; when nobody
+    prepares it where they look (the cache dir is not shared) they say so and stop, after a minute
+    (cache.ORPHAN_WAIT_S, shortened here). While the entry's lock is held (process 0 preparing) they wait on,
+    however long it takes, and take the entry once it appears."""
+    import fcntl
+    import threading
+    import time
+
+    from trainer.corpus import prepare
+
+    wait = 0.3
+    monkeypatch.setattr(cache, "ORPHAN_WAIT_S", wait)
+    (tmp_path / "corpus.txt").write_text("a corpus of one document, long enough for a window " * 4)
+    cfg = DataConfig(path=str(tmp_path / "corpus.txt"), cache_dir=str(tmp_path / "cache"))
+
+    def waiter() -> tuple[threading.Thread, list]:
+        said: list = []
+        t = threading.Thread(target=lambda: said.append(_start_error(cfg, process=1)), daemon=True)
+        t.start()
+        return t, said
+
+    t, said = waiter()  # nobody prepares: process 1 gives up, saying why
+    t.join(timeout=60 * wait)
+    assert said and "data.cache_dir must be shared by all processes" in (said[0] or ""), said
+
+    dest = cache.entry(cfg, sources.open_source(cfg.path, text_field="text", default_corpus_mb=0))
+    lock = cache._lock(dest, fcntl.LOCK_EX)  # process 0 is preparing
+    t, said = waiter()
+    time.sleep(4 * wait)
+    assert t.is_alive() and not said, said  # still waiting, four times past the limit: the lock is held
+    plan = prepare.Plan(sources.open_source(cfg.path, text_field="text", default_corpus_mb=0), "bytes", Fraction(0))
+    prepare.prepare(plan, dest.with_name("tmp-by-process-0"))
+    os.rename(dest.with_name("tmp-by-process-0"), dest)
+    os.close(lock)
+    t.join(timeout=60 * wait)
+    assert said == [None], said  # took the entry process 0 wrote
