@@ -1,7 +1,7 @@
 """Processes agree on stop/save/spike/hold through the coordination service's key-value store, not a
-device collective: two real jax.distributed processes raise different flags at different steps, and both
-act on the OR of everyone's flags at the same step, agree.LAG steps later; a one-shot request that stays
-raised until served is served once."""
+device collective: two real jax.distributed processes raise different flags, at the same step and at
+different steps, and both act on the OR of everyone's flags at the same step, agree.LAG steps later; a
+one-shot request that stays raised until served is served once."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ a = Agreement(F, processes=2, start=10)
 out = {}
 for step in range(11, 23):
     stop = me == 1 and step >= 14          # a level: SIGTERM on process 1 at step 14
-    save = me == 0 and 12 <= step <= 16    # a one-shot request, raised until served
+    save = me == 0 and 14 <= step <= 16    # a one-shot request, raised until served, with process 1's stop
     spike = me == 1 and step == 19         # raised once
     got = a.exchange(step, F(stop=stop, save=save, spike=spike))
     out[step] = [got.stop, got.save, got.spike]
@@ -62,6 +62,7 @@ def test_two_processes_act_on_the_same_flags_at_the_same_step(tmp_path):
     lag = agree.LAG
     acted = {int(k): v for k, v in outs[0].items()}
     assert [s for s, v in acted.items() if v[0]] == [s for s in range(14 + lag, 23)]  # stop from 14 + LAG on
-    assert [s for s, v in acted.items() if v[1]] == [12 + lag]  # the save request: served once
+    # Step 14: each process raised another flag; everyone acts on both (the OR, not the AND, of the group).
+    assert [s for s, v in acted.items() if v[1]] == [14 + lag]  # the save request: served once
     assert [s for s, v in acted.items() if v[2]] == [19 + lag]
     assert not any(any(v) for s, v in acted.items() if s <= 10 + lag)  # nothing to act on yet after a start

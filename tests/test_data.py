@@ -12,6 +12,8 @@ from conftest import ROOT, child_env
 
 from trainer.config import ConfigError, DataConfig
 from trainer.core.data import TokenWindows, batch_index, eval_windows, make_iterator, prepare
+from trainer.observe.audit import AuditLog
+from trainer.observe.audit import check as audit_check
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +80,25 @@ def test_skips_advance_the_cursor_past_the_listed_batches(corpus):
     plain = _ids(corpus, steps=10)
     skipped = _ids(corpus, steps=8, skips=[2, 3])
     assert (skipped[2]["ids"] == plain[4]["ids"]).all() and (skipped[1]["ids"] == plain[1]["ids"]).all()
+
+
+def test_the_audit_names_a_batch_that_was_never_consumed(corpus, tmp_path):
+    """Real iterators logged as the worker logs them: a resume at step 5 whose cursor lands one batch late
+    reads batches 6.. at steps 5..; batch 5 is trained on by no step and is on no skip list, and nothing is
+    read twice, so only the "never consumed" check can see it. The same resume with its cursor right: no
+    problem."""
+    windows = len(TokenWindows.of(corpus, 32))
+
+    def audited(run: Path, cursor: int) -> list[str]:
+        for start, stop, at in ((0, 5, 0), (5, 10, cursor)):  # two sessions: stopped at 5, resumed
+            log = AuditLog(run, process=0, processes=1, start=start, global_batch=8, epoch_windows=windows, skips=[])
+            for k, batch in zip(range(start, stop), _ids(corpus, steps=12, start=at)):
+                log.record(k, batch)
+        return audit_check(run)[0].problems
+
+    assert audited(tmp_path / "right", cursor=5) == []
+    problems = audited(tmp_path / "late", cursor=6)
+    assert problems == ["data batch 5 (samples 40..47) was never consumed and is not on the skip list"], problems
 
 
 def test_shuffle_off_reads_windows_in_order(corpus):

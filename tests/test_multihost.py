@@ -17,6 +17,7 @@ import pytest
 from conftest import ROOT, child_env, events, run_trainer, step_losses, summary, trainer_cmd
 from multihost import ONE, TWO, at_step, audit, group_overrides, heartbeat, reference, small_corpus
 
+from trainer.__main__ import PEER_DEATH_GRACE_S
 from trainer.config import ConfigError, DataConfig, LaunchConfig, load_config
 from trainer.core import data
 from trainer.observe import audit as audit_lib
@@ -35,7 +36,10 @@ def ref(tmp_path_factory) -> tuple[Path, Path]:
 def test_kill_and_hang_tear_the_group_down_and_the_run_ends_identical(tmp_path, ref):
     ref_run, corpus = ref
     run = tmp_path / "run"
-    overrides = group_overrides(corpus, *TWO, "supervisor.step_timeout_s=10", "faults=[{kind: hang, step: 22}]")
+    step_timeout_s = 10
+    overrides = group_overrides(
+        corpus, *TWO, f"supervisor.step_timeout_s={step_timeout_s}", "faults=[{kind: hang, step: 22}]"
+    )
     with open(tmp_path / "supervisor.log", "w") as log:  # a pipe nobody reads would stall the workers
         sup = subprocess.Popen(trainer_cmd(run, *overrides), cwd=ROOT, env=child_env(), stdout=log, stderr=log)
     victim = at_step(run, 1, 14, lambda: sup.poll() is None)  # past the checkpoint at step 10
@@ -48,11 +52,19 @@ def test_kill_and_hang_tear_the_group_down_and_the_run_ends_identical(tmp_path, 
     # 1st attempt: process 1 died by SIGKILL, the supervisor tore process 0 down.
     assert exits[0]["signal"] == "SIGKILL" and exits[0]["exits"][0] == [1, -9] and exits[0]["torn_down"] == [0]
     kill_teardown_s = exits[0]["time"] - t_kill
-    # 2nd attempt: process 0 hung at step 22 (process 1 waits in a collective); both killed after the timeout.
+    # Bounds relative to what the run would do otherwise, not seconds. Left alone, the survivor waits in its
+    # broken collective until the hang detector kills it a step timeout later, or, if the collective raises,
+    # leaves by itself PEER_DEATH_GRACE_S after the error (exit PEER_LOST): the launcher's SIGKILL comes first.
+    assert kill_teardown_s < PEER_DEATH_GRACE_S and exits[0]["exits"][1] == [0, -signal.SIGKILL], (
+        kill_teardown_s,
+        exits[0],
+    )
+    # 2nd attempt: process 0 hung at step 22 (process 1 waits in a collective); both killed after the timeout,
+    # the kill following the stack dump before another step timeout could pass.
     hang = next(e for e in evs if e["event"] == "hang_detected")
     assert hang["step"] == 22 and hang["phase"] == "step"
     hang_teardown_s = exits[1]["time"] - hang["time"]
-    assert kill_teardown_s < 5 and hang_teardown_s < 5, (kill_teardown_s, hang_teardown_s)
+    assert hang_teardown_s < step_timeout_s, hang_teardown_s
     print(
         f"teardown after SIGKILL of one process: {kill_teardown_s:.2f}s; after hang detection: {hang_teardown_s:.2f}s"
     )
@@ -99,10 +111,13 @@ def test_elastic_resume_on_another_process_count_keeps_the_global_order(tmp_path
     st = audit(run, "--compare", str(ref_run))
     assert st["process_counts"] == [1, 2] and st["compared_steps"] == 30, st
     # Continuous loss: the curve follows the uninterrupted 2-process run to float rounding (one process
-    # sums over devices in another order than gloo does across processes, so not bitwise).
+    # sums over devices in another order than gloo does across processes, so not bitwise). Measured: 1.4e-7
+    # relative, about one fp32 ulp (eps 1.2e-7); 2e-6 (~17 ulps) is tests/test_resume.py's bound on curves across
+    # meshes and microbatch counts (a change of arithmetic, gradients rounded to bf16, moved one by 1e-5: inside
+    # the old 1e-4).
     losses, ref_losses = step_losses(run), step_losses(ref_run)
     worst = max(abs(losses[k][0] - ref_losses[k][0]) / abs(ref_losses[k][0]) for k in ref_losses)
-    assert sorted(losses) == sorted(ref_losses) and worst < 1e-4, worst
+    assert sorted(losses) == sorted(ref_losses) and worst < 2e-6, worst
     print(f"elastic 2->1->2: worst relative loss difference vs uninterrupted: {worst:.2e}")
 
 
@@ -232,11 +247,22 @@ def _group(tmp_path: Path, body: str, processes: int = 3, grace_s: float = 5.0) 
     return launcher.LocalGroup([sys.executable, str(script)], os.environ, processes=processes, port=1, grace_s=grace_s)
 
 
+# "At once" is judged against the grace a clean exit gives the peers (a teardown that waited for it takes all
+# of it), timed from the moment the process died: the start-ups before it take what the machine's load makes them.
+GRACE_S = 10.0
+
+
+def _dies(tmp_path: Path, how: str) -> str:
+    """Worker code: process 1 notes the time in tmp_path/died, then dies by `how`; the others wait a minute."""
+    died = f"open({str(tmp_path / 'died')!r}, 'w').write(repr(time.time()))"
+    return f"if me == 1:\n    time.sleep(0.5); {died}; {how}\ntime.sleep(60)"
+
+
 def test_one_dead_process_takes_the_group_down_at_once(tmp_path):
-    g = _group(tmp_path, "if me == 1:\n    time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(60)")
-    t0 = time.time()
+    g = _group(tmp_path, _dies(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)"), grace_s=GRACE_S)
     assert g.wait(timeout=30) == -signal.SIGKILL
-    assert time.time() - t0 < 3
+    teardown_s = time.time() - float((tmp_path / "died").read_text())
+    assert teardown_s < GRACE_S / 2, teardown_s
     assert g.describe_exit()["torn_down"] == [0, 2] and all(p.poll() is not None for p in g.procs)
 
 
@@ -388,20 +414,25 @@ def test_launch_config_is_validated():
 
 
 def test_a_config_exit_of_one_process_takes_the_group_down_at_once(tmp_path):
-    g = _group(tmp_path, "if me == 1:\n    time.sleep(0.5); sys.exit(2)\ntime.sleep(60)")
-    t0 = time.time()
+    g = _group(tmp_path, _dies(tmp_path, "sys.exit(2)"), grace_s=GRACE_S)
     assert g.wait(timeout=30) == exit_codes.CONFIG
-    assert time.time() - t0 < 3 and g.describe_exit()["torn_down"] == [0, 2]
+    teardown_s = time.time() - float((tmp_path / "died").read_text())
+    assert teardown_s < GRACE_S / 2 and g.describe_exit()["torn_down"] == [0, 2], teardown_s
+
+
+STEP_TIMEOUT_S = 4  # started_twice's: process 1 must stay silent past it while process 0 saves
 
 
 @pytest.fixture(scope="module")
-def started_twice(tmp_path_factory) -> tuple[Path, str, float, float]:
+def started_twice(tmp_path_factory) -> tuple[Path, str, float, float, int]:
     """A 2-process run whose process 0 raises while starting (attempt 1). In attempt 2, with
     supervisor.step_timeout_s=4, process 0 takes 8 s longer over its node-local save at step 10 (a slow
     fault in the checkpoint phase: its timeout is the checkpoint one) while process 1, whose own local save
     needs no peer, goes on to its next step and waits there for process 0, silent. Returns the run dir, the
     supervisor's output, when the start-up fault fired, and the longest silence of process 1 in the step
-    phase seen while process 0 was in the checkpoint phase."""
+    phase seen while process 0 was in the checkpoint phase, and the supervisor's exit code (each test asserts
+    it after its own checks: a supervisor that wrongly saw a hang also ends the run badly, and the assertion
+    about the hang is the one that should name it)."""
     corpus = small_corpus(tmp_path_factory.mktemp("corpus"))
     base = tmp_path_factory.mktemp("started_twice")
     run = base / "run"
@@ -412,7 +443,7 @@ def started_twice(tmp_path_factory) -> tuple[Path, str, float, float]:
         "checkpoint.every_steps=0",
         f"checkpoint.local_dir={base / 'local'}",
         "checkpoint.local_every_steps=10",
-        "supervisor.step_timeout_s=4",
+        f"supervisor.step_timeout_s={STEP_TIMEOUT_S}",
         "faults=[{kind: startup, step: 0}, {kind: slow, step: 10, phase: checkpoint, seconds: 8}]",
     )
     out = base / "supervisor.log"
@@ -426,8 +457,8 @@ def started_twice(tmp_path_factory) -> tuple[Path, str, float, float]:
         if hb0 and hb1 and hb0["launch"] == hb1["launch"] and (hb0["phase"], hb1["phase"]) == ("checkpoint", "step"):
             silent = max(silent, time.time() - hb1["time"])
         time.sleep(0.1)
-    assert sup.wait(timeout=max(deadline - time.time(), 1)) == 0, out.read_text()[-3000:]
-    return run, out.read_text(), fired, silent
+    code = sup.wait(timeout=max(deadline - time.time(), 1))
+    return run, out.read_text(), fired, silent, code
 
 
 @pytest.mark.slow
@@ -438,31 +469,42 @@ def test_a_worker_failing_at_start_up_is_torn_down_and_restarted_in_seconds(star
     client aborting the process (SIGABRT) once the coordinator's socket closes, when that lands before
     the launcher's next poll (seen in CI on a loaded 2-core machine). The launcher's kill itself is
     pinned by test_a_config_exit_of_one_process_takes_the_group_down_at_once, without jax."""
-    run, stderr, fired, _ = started_twice
+    run, stderr, fired, _, code = started_twice
+    assert code == 0, stderr[-3000:]
     evs = events(run)
     exit1 = next(e for e in evs if e["event"] == "worker_exit")
-    start2 = [e for e in evs if e["event"] == "worker_start"][1]
+    start1, start2 = [e for e in evs if e["event"] == "worker_start"][:2]
     assert exit1["exit_code"] == 1 and exit1["exits"][0] == [0, 1], exit1  # process 0's fault is the cause
     assert exit1["exits"][1:] in ([[1, -signal.SIGKILL]], [[1, -signal.SIGABRT]]), exit1
     ended_by_jax = exit1["torn_down"] == [] and exit1["exits"][1][1] == -signal.SIGABRT
     assert exit1["torn_down"] == [1] or ended_by_jax, exit1
+    # Seconds, judged against this run's own start-up (spawn to the fault: imports, jax, the group forming),
+    # which a loaded machine slows as much: the failed group went down, and the next one was started, each in
+    # less time than that start-up took; a process waiting in jax's distributed shutdown takes minutes.
+    startup_s = fired - start1["time"]
     teardown_s, restart_s = exit1["time"] - fired, start2["time"] - fired
-    assert teardown_s < 5 and restart_s < 6, (teardown_s, restart_s)
+    assert teardown_s < startup_s and restart_s - teardown_s < startup_s, (startup_s, teardown_s, restart_s)
     assert "0: trainer.supervise.faults.InjectedStartupError: injected fault" in stderr
     # stopped at train.stop_at_step (the worker's event, then the supervisor's), after one restart
     stopped = [(e["step"], e.get("by")) for e in evs if e["event"] == "stopped"]
     assert stopped == [(12, None), (12, "supervisor")] and summary(run)["restarts"] == 1, stopped
-    print(f"start-up failure: group torn down {teardown_s:.2f}s and restarted {restart_s:.2f}s after the fault")
+    print(
+        f"start-up failure {startup_s:.2f}s after the spawn: group torn down {teardown_s:.2f}s and restarted "
+        f"{restart_s:.2f}s after the fault"
+    )
 
 
 @pytest.mark.slow
 def test_a_peer_waiting_for_a_slow_save_is_not_a_hang(started_twice):
     """The group is hung only once every process is overdue for its own phase: process 1, silent in the step
     phase for longer than step_timeout_s while process 0 is still saving (checkpoint timeout), is waiting."""
-    run, _, _, silent = started_twice
-    assert silent > 4, f"process 1 was never silent past the step timeout while process 0 saved ({silent:.1f}s)"
+    run, stderr, _, silent, code = started_twice
+    assert silent > STEP_TIMEOUT_S, (
+        f"process 1 was never silent past the step timeout while process 0 saved ({silent:.1f}s)"
+    )
     assert not [e for e in events(run) if e["event"] == "hang_detected"]
     assert [e["reason"] for e in events(run) if e["event"] == "restart"] == ["exit code 1"]  # the start-up fault only
+    assert code == 0, stderr[-3000:]
     print(f"process 1 silent {silent:.1f}s in the step phase while process 0 saved: no hang")
 
 

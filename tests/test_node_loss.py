@@ -22,7 +22,7 @@ import time
 
 import pytest
 from conftest import ROOT, events, step_losses, summary
-from multihost import at_step, audit, job_args, node_of, reference, sbatch_trainer, wait_for
+from multihost import at_step, audit, job_args, node_of, reference, sbatch_trainer
 from slurm_cluster import job_info, local_slurm, node_states, wait_job
 from test_slurm_job import _require_slurm
 
@@ -144,56 +144,15 @@ def test_two_nodes_lost_in_turn_heal_from_the_peer_copy_then_from_durable(tmp_pa
     )
 
 
-def test_a_frozen_node_is_the_one_blamed_and_a_requeued_job_still_avoids_it(tmp_path, tmp_path_factory):
-    """A training process is frozen (SIGSTOP: a node gone silent) on a randomly chosen training node. The
-    group hangs; the supervisor must blame that node, and only it (its process stopped pulsing while its
-    peer, blocked waiting for it, still pulsed; srun's reports of the kill that follows blame nobody),
-    go on with the survivor and the spare, and the job, requeued by an operator, must still avoid it."""
-    _require_slurm()
-    ref_run, corpus = reference(tmp_path_factory)
-    run, out = tmp_path / "run", tmp_path / "job.out"
-    victim_process = random.randrange(2)
-    args = job_args(
-        run,
-        corpus,
-        "launch.processes_per_node=1",
-        "supervisor.step_timeout_s=10",
-        "faults=[{kind: slow, step: 12, seconds: 0.3, count: 18}]",
-    )
-    with local_slurm(tmp_path / "slurm", nodes=3, **CLUSTER) as env:
-        job, alive = sbatch_trainer(env, nodes=3, per_node=1, out=out, args=args)
-
-        victim = at_step(run, victim_process, 13, alive)
-        frozen = node_of(victim["pid"])
-        os.kill(victim["pid"], signal.SIGSTOP)
-        # The step after the hang is training on the other two nodes; then an operator requeues the job.
-        wait_for(lambda: len([e for e in events(run) if e["event"] == "worker_start"]) == 2, 120, "the restart")
-        at_step(run, 0, max(victim["step"] + 2, 16), alive)
-        subprocess.run(["scontrol", "requeue", job], env=env, check=True, timeout=30)
-        state = wait_job(job, env, timeout=400)
-        log = out.read_text()
-        assert state == "COMPLETED", log[-3000:]
-
-    evs = events(run)
-    (hang,) = [e for e in evs if e["event"] == "hang_detected"]
-    assert hang["node"] == frozen and hang["process"] == victim_process and "froze" in hang["why"], hang
-    suspects = [(e["node"], "froze" in e["reason"]) for e in evs if e["event"] == "node_suspect"]
-    assert suspects == [(frozen, True)], suspects  # not a node srun reported killed after the hang kill
-    starts = [e for e in evs if e["event"] == "worker_start"]
-    assert len(starts) >= 3 and frozen in starts[0]["nodes"], starts
-    for s in starts[1:]:  # after the hang, in this job and in the requeued one: never the frozen node again
-        assert frozen not in s["nodes"] and s["suspect_nodes"] == [frozen] and len(s["nodes"]) == 2, s
-    assert len({e["pid"] for e in evs if e["event"] == "supervisor_start"}) == 2  # the requeued job's own
-    assert summary(run)["params_sha256"] == summary(ref_run)["params_sha256"]
-    print(f"hang: process {victim_process} frozen on {frozen} at step {victim['step']}; {hang['why']}")
-
-
-def test_with_no_spare_the_job_shrinks_and_regrows_when_the_node_is_trusted_again(tmp_path, tmp_path_factory):
-    """Two nodes, no spare, launch.min_processes=1. Process 1's task is killed (its node stays up): that node
-    is the suspect, so the group shrinks to the survivor (one process, twice the microbatches: same global
-    batch, same batches per step). After launch.suspect_retry_minutes the node is trusted again: the shrunk
-    group saves, stops and restarts at full size. The data order is exactly the undisturbed run's; the
-    numbers differ only by the accumulation order."""
+def test_a_frozen_node_is_blamed_the_job_shrinks_and_regrows_when_it_is_trusted_again(tmp_path, tmp_path_factory):
+    """Two nodes, no spare, launch.min_processes=1. A training process, on a node chosen at random, is frozen
+    (SIGSTOP: a node gone silent). The group hangs; the supervisor must blame that node, and only it (its
+    process stopped pulsing while its peer, blocked waiting for it, still pulsed; srun's reports of the kill
+    that follows blame nobody), so the group shrinks to the survivor (one process, twice the microbatches:
+    same global batch, same batches per step). After launch.suspect_retry_minutes the node is trusted again:
+    the shrunk group saves, stops and restarts at full size. The data order is exactly the undisturbed run's;
+    the numbers differ only by the accumulation order. (That a requeued job still avoids a suspect node is
+    the two-loss test's.)"""
     import jax
     import numpy as np
 
@@ -209,23 +168,28 @@ def test_with_no_spare_the_job_shrinks_and_regrows_when_the_node_is_trusted_agai
         "launch.processes_per_node=1",
         "launch.min_processes=1",
         "launch.suspect_retry_minutes=0.1",
+        "supervisor.step_timeout_s=10",
         "mesh.data=-1",  # the mesh follows the devices: 2x2x2 on two processes, 1x2x2 on one
         "faults=[{kind: slow, step: 12, seconds: 1.0, count: 18}]",
     )
+    victim_process = random.randrange(2)
     with local_slurm(tmp_path / "slurm", nodes=2, **CLUSTER) as env:
         job, alive = sbatch_trainer(env, nodes=2, per_node=1, out=out, args=args)
-        victim = at_step(run, 1, 13, alive)
+        victim = at_step(run, victim_process, 13, alive)
         blamed = node_of(victim["pid"])
-        os.kill(victim["pid"], signal.SIGKILL)
+        os.kill(victim["pid"], signal.SIGSTOP)
         state = wait_job(job, env, timeout=400)
         log = out.read_text()
         assert state == "COMPLETED", log[-3000:]
 
     evs = events(run)
+    (hang,) = [e for e in evs if e["event"] == "hang_detected"]
+    assert hang["node"] == blamed and hang["process"] == victim_process and "froze" in hang["why"], hang
+    suspects = [(e["node"], "froze" in e["reason"]) for e in evs if e["event"] == "node_suspect"]
+    assert suspects == [(blamed, True)], suspects  # not a node srun reported killed after the hang kill
     starts = [e for e in evs if e["event"] == "worker_start"]
     assert [s["processes"] for s in starts] == [2, 1, 2], starts
     assert blamed not in starts[1]["nodes"] and blamed in starts[2]["nodes"], starts
-    assert [e["node"] for e in evs if e["event"] == "node_suspect"] == [blamed]
     assert [e["node"] for e in evs if e["event"] == "node_retried"] == [blamed]
     shrunk = [e["step"] for e in evs if e["event"] == "step" and starts[1]["time"] < e["time"] < starts[2]["time"]]
     assert shrunk, "the shrunk group trained no step"
@@ -239,10 +203,13 @@ def test_with_no_spare_the_job_shrinks_and_regrows_when_the_node_is_trusted_agai
     assert st["process_counts"] == [1, 2] and st["compared_steps"] == 30, st
     losses, ref_losses = step_losses(run), step_losses(ref_run)
     worst = max(abs(v - ref_losses[k][0]) / abs(ref_losses[k][0]) for k, vs in losses.items() for v in vs)
-    assert sorted(losses) == sorted(ref_losses) and worst < 1e-4, worst
+    # measured 2.8e-7 (about 2 fp32 ulps: the same sums accumulated in another order); 2e-6 is rounding, not
+    # a wrong batch or a lost microbatch (those move the loss by 1e-5 and more: tests/test_resume.py)
+    assert sorted(losses) == sorted(ref_losses) and worst < 2e-6, worst
     final = [weights.on_cpu(pick.Picked(30, r / "checkpoints" / "30", r, True)).params for r in (run, ref_run)]
     diffs = [float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(*map(jax.tree.leaves, final))]
     print(
+        f"hang: process {victim_process} frozen on {blamed} at step {victim['step']}; {hang['why']}; "
         f"shrink and regrow: steps {shrunk} on one process; worst relative loss difference {worst:.2e}, "
         f"largest param difference {max(diffs):.2e}"
     )

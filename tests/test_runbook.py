@@ -288,6 +288,10 @@ def test_respond_softens_on_recurrence_and_gives_up_saying_what_it_tried(tmp_pat
     assert (state["lr_scale"], state["clip_norm"], state["b2"], state["skips"]) == (0.5, 0.5, 0.9, [17])
     soften = next(e for e in written if e["event"] == "soften")
     assert soften["lr_scale"] == 0.5 and soften["clip_norm"] == 0.5 and soften["peak_lr"] == cfg.optim.lr / 2
+    # What every later worker start reads back and sets in the optimizer state it restored or initialised
+    # (trainer.core.loop), and the config it records.
+    hyperparams = runbook.RunbookState.load(run, cfg.optim).hyperparams()
+    assert hyperparams == {"lr_scale": 0.5, "clip_norm": 0.5, "b2": 0.9}, hyperparams
     softened = runbook.softened_config(cfg, runbook.RunbookState.load(run, cfg.optim))
     assert (softened.optim.lr, softened.optim.clip_norm, softened.optim.b2) == (cfg.optim.lr / 2, 0.5, 0.9)
 

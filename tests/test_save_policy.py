@@ -123,3 +123,29 @@ def test_auto_saves_periodically_in_a_real_run_priced_with_its_own_startup(tmp_p
     startup = next(e["startup_s"] for e in ev if e["event"] == "worker_ready")
     intervals = [e for e in ev if e["event"] == "checkpoint_interval"]
     assert intervals and all(e["restart_s"] == startup for e in intervals), intervals
+
+
+def test_the_loop_asks_the_time_cadence_at_every_step(tmp_path):
+    """The loop's per-step save decision (trainer.core.loop._agree, on a real checkpoint tier and agreement)
+    consults the clock: every_minutes=1 with no step schedule saves at the first step a minute after the
+    start or the last save, at no step before, whatever the step number."""
+    from trainer.core import agree, loop, tiers
+    from trainer.core.flags import Flags, Shared
+
+    clock = Clock()
+    cfg = CheckpointConfig(every_steps=0, every_minutes=1)
+    p = SavePolicy(cfg, steps=100, stop_at=100, devices=8, restart_s=60, clock=clock)
+    ckpt = tiers.Tiers(tmp_path, cfg, log=lambda *a, **f: None, pinned=None, rewinds=[])
+    w = type("Worker", (), {"ckpt": ckpt})()  # _agree reads only the worker's checkpoint tiers
+    group, flags = agree.Agreement(Shared, processes=1, start=0), Flags()
+    try:
+        decided = []
+        for step, seconds in ((1, 30), (2, 29), (3, 1), (4, 0), (5, 59), (6, 1)):
+            clock.now += seconds
+            save = loop._agree(w, flags, group, p, step)[1]
+            decided.append(save)
+            if save is not None:
+                p.saved(save, 0.1)  # what the loop's _checkpoint tells the policy once the save started
+        assert decided == [None, None, Save("durable", "periodic"), None, None, Save("durable", "periodic")], decided
+    finally:
+        ckpt.close()

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, child_env, events, run_trainer, step_losses, summary, trainer_cmd
 
+from trainer.config import SupervisorConfig
 from trainer.supervise import exit_codes
 
 pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -m 'not slow')
@@ -102,9 +103,13 @@ def test_hangs_in_every_phase_are_detected_by_their_own_timeout_dumped_and_recov
     assert [(h["phase"], h["step"], h["timeout_s"]) for h in hangs] == [
         (p, s, TIMEOUTS[p]) for p, s in zip(phases, (0, 0, 0, 8, 10, second["step"]))
     ], hangs
-    assert all(h["timeout_s"] <= h["silent_s"] <= h["timeout_s"] + 3 for h in hangs), hangs
+    # Judged by its own timeout: not before it ran out, and found within half of it after (the supervisor
+    # looks every poll_s = 0.5 s; a bound in proportion to the timeout, not in seconds, so a loaded machine's
+    # late poll is no failure while a hang judged by a longer clock is).
+    print("detected after their timeouts by (s):", [round(h["silent_s"] - h["timeout_s"], 2) for h in hangs])
+    assert all(h["timeout_s"] <= h["silent_s"] < 1.5 * h["timeout_s"] for h in hangs), hangs
     assert [h["pid"] for h in hangs][3::2] == [first["pid"], second["pid"]]
-    assert hangs[-1]["time"] - stopped_at <= TIMEOUTS[second["phase"]] + 3
+    assert hangs[-1]["time"] - stopped_at < 1.5 * TIMEOUTS[second["phase"]]
     for h, phase in zip(hangs[:5], phases):  # where each injected hang sleeps, in its stack dump
         stacks = (run / "stacks" / f"worker-{h['pid']}.txt").read_text()
         hook, caller = HUNG_IN[phase]
@@ -133,14 +138,18 @@ def test_sigterm_saves_and_exits_with_the_requeue_code(tmp_path, reference_run):
 
 def test_a_crash_loop_gives_up_with_the_step_and_the_last_error(tmp_path):
     run = tmp_path / "run"
-    t0 = time.time()
     proc = run_trainer(
         run, "faults=[{kind: crash, step: 12, repeat: true}]", "supervisor.backoff_s=0.2", check=False, timeout=300
     )
     assert proc.returncode == exit_codes.CRASH_LOOP, proc.stderr[-2000:]
     assert "crash loop" in proc.stderr and "at step 12" in proc.stderr and "exit code 13" in proc.stderr
-    assert time.time() - t0 < 120
-    assert [e["event"] for e in events(run)][-1] == "gave_up"
+    evs = events(run)
+    # Promptly, counted rather than timed: the crash_loop_restarts-th failure at the step ends it (no more
+    # attempts), after one retry at once and one after backoff_s.
+    attempts = [e["event"] for e in evs].count("worker_exit")
+    assert attempts == SupervisorConfig().crash_loop_restarts == 3, attempts
+    assert [e["backoff_s"] for e in evs if e["event"] == "restart"] == [0.0, 0.2]
+    assert evs[-1]["event"] == "gave_up"
 
 
 def test_the_restart_budget_ends_the_run_with_exit_77_after_bounded_backoff(tmp_path):

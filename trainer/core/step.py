@@ -65,7 +65,9 @@ def make_train_step(spec: StateSpec, mesh: Mesh, *, lr_schedule, microbatches: i
     grads_of = _grads(spec, mesh, microbatches, z_loss)
 
     def train_step(state, tokens_BL1):
-        dropout_key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+        # The key advances every step: the checkpoint's key is the one the next step draws its dropout from,
+        # so a restore that lost it (or took the seed's) would train on other masks, and resume tests see it.
+        dropout_key, next_key = jax.random.split(jax.random.wrap_key_data(state["rng"]))
         loss, grads = grads_of(state["params"], tokens_BL1, dropout_key)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         hp = state["opt_state"].hyperparams
@@ -79,7 +81,7 @@ def make_train_step(spec: StateSpec, mesh: Mesh, *, lr_schedule, microbatches: i
             "step": state["step"] + 1,
             "params": optax.apply_updates(state["params"], updates),
             "opt_state": opt_state,
-            "rng": state["rng"],
+            "rng": jax.random.key_data(next_key),
         }
         return new_state, metrics
 
