@@ -1,0 +1,964 @@
+"""The planted bugs tests/mutate.py runs (data only): each a plausible bug, the edits that plant it, the tests
+that should catch it and the assertion designed to (`catch`: a substring of the statement the failure must be
+raised at; a failure anywhere else is incidental). Edits name text that must occur exactly once, so an entry
+fails loudly when the code it mutates has moved."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str  # the bug, in words
+    edits: tuple[tuple[str, str, str], ...]  # (file, old, new)
+    tests: tuple[str, ...]  # pytest node ids that should catch it
+    catch: str = ""  # a substring of the assert statement designed to catch it (a failure elsewhere is incidental)
+
+
+M = Mutation
+MUTATIONS = [
+    M(
+        "prng_key_not_restored",
+        "the checkpoint saves the dropout PRNG key as zeros",
+        (
+            (
+                "trainer/core/loop.py",
+                "blocking = w.ckpt.save(step, st, {",
+                "blocking = w.ckpt.save(step, dict(st, rng=st['rng'] * 0), {",
+            ),
+        ),
+        ("tests/test_resume.py::test_stop_and_resume_is_bit_identical[data8_dropout]",),
+        catch='summary(run)["params_sha256"] == summary(ref)["params_sha256"]',
+    ),
+    M(
+        "data_cursor_off_by_one",
+        "a resumed data iterator starts one batch early (the batch before the checkpoint is trained on twice)",
+        (
+            (
+                "trainer/core/loop.py",
+                'it.set_state({"next_index": start})',
+                'it.set_state({"next_index": start - 1 if start else start})',
+            ),
+        ),
+        ("tests/test_resume.py::test_stop_and_resume_is_bit_identical[fsdp8_microbatches2]",),
+        catch='summary(run)["params_sha256"] == summary(ref)["params_sha256"]',
+    ),
+    M(
+        "fallback_to_oldest",
+        "after rejecting the newest checkpoint the restore takes the oldest, not the previous",
+        (
+            (
+                "trainer/core/tiers.py",
+                "            self._move_aside(tier, step, problem)\n",
+                "            self._move_aside(tier, step, problem)\n            self.fell_back = True\n",
+            ),
+            (
+                "trainer/core/tiers.py",
+                "return max(cands, key=lambda c: (c[0], c[1] == LOCAL), default=None)",
+                "return (min if getattr(self, 'fell_back', False) else max)"
+                "(cands, key=lambda c: (c[0], c[1] == LOCAL), default=None)",
+            ),
+        ),
+        tuple(
+            f"tests/test_integrity.py::test_a_bad_newest_checkpoint_is_rejected_and_the_previous_one_used[{how}]"
+            for how in ("bytes_flipped", "deleted", "meta_torn", "truncated", "unsealed")
+        ),
+        catch='== [(15, "durable")]',
+    ),
+    M(
+        "torn_meta_crashes_the_resume_check",
+        "a torn metadata item in the newest checkpoint is read outside the "
+        "fallback path (the resume check raises instead of asking an older checkpoint)",
+        (
+            (
+                "trainer/core/tiers.py",
+                "        except Exception:  # torn or corrupt: an older one answers the same question",
+                "        except FileNotFoundError:  # torn or corrupt: an older one answers the same question",
+            ),
+        ),
+        ("tests/test_integrity.py::test_a_bad_newest_checkpoint_is_rejected_and_the_previous_one_used[meta_torn]",),
+        catch='== [(20, "durable", bad_file)]',
+    ),
+    M(
+        "synchronous_save",
+        "Orbax saves synchronously (the loop blocks until the checkpoint is written)",
+        (
+            (
+                "trainer/core/checkpoint.py",
+                "enable_async_checkpointing=cfg.async_save,",
+                "enable_async_checkpointing=False,",
+            ),
+        ),
+        ("tests/test_checkpoint.py::test_saving_is_asynchronous_steps_go_on_while_slow_storage_commits",),
+        catch="during and min(during) >= 10",
+    ),
+    M(
+        "restore_timeout_is_step_timeout",
+        "a hung restore is judged by the step timeout",
+        (("trainer/observe/heartbeat.py", '"restore": sc.restore_timeout_s', '"restore": sc.step_timeout_s'),),
+        ("tests/test_supervisor.py::test_hangs_in_every_phase_are_detected_by_their_own_timeout_dumped_and_recovered",),
+        catch='[(h["phase"], h["step"], h["timeout_s"]) for h in hangs] ==',
+    ),
+    M(
+        "startup_timeout_is_step_timeout",
+        "a worker hung while starting is judged by the step timeout",
+        (("trainer/observe/heartbeat.py", '"startup": sc.startup_timeout_s,', '"startup": sc.step_timeout_s,'),),
+        ("tests/test_supervisor.py::test_hangs_in_every_phase_are_detected_by_their_own_timeout_dumped_and_recovered",),
+        catch='[(h["phase"], h["step"], h["timeout_s"]) for h in hangs] ==',
+    ),
+    M(
+        "checkpoint_timeout_is_step_timeout",
+        "a hung checkpoint write is judged by the step timeout",
+        (
+            (
+                "trainer/observe/heartbeat.py",
+                '"checkpoint": sc.checkpoint_timeout_s,',
+                '"checkpoint": sc.step_timeout_s,',
+            ),
+        ),
+        ("tests/test_supervisor.py::test_hangs_in_every_phase_are_detected_by_their_own_timeout_dumped_and_recovered",),
+        catch='[(h["phase"], h["step"], h["timeout_s"]) for h in hangs] ==',
+    ),
+    M(
+        "compile_timeout_is_step_timeout",
+        "a hung compile is judged by the step timeout",
+        (("trainer/observe/heartbeat.py", '"compile": sc.startup_timeout_s', '"compile": sc.step_timeout_s'),),
+        ("tests/test_supervisor.py::test_hangs_in_every_phase_are_detected_by_their_own_timeout_dumped_and_recovered",),
+        catch='[(h["phase"], h["step"], h["timeout_s"]) for h in hangs] ==',
+    ),
+    M(
+        "skips_persisted_before_rewind",
+        "the runbook writes the new skip list before it moves the spiked "
+        "checkpoints aside (a kill in between pairs the new skips with a checkpoint that trained on the spike)",
+        (
+            (
+                "trainer/supervise/runbook.py",
+                '    target, moved = rewind(run_dir, spike["began"], n)\n',
+                '    ckpts = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())\n'
+                '    target = max((s for s in ckpts if s < spike["began"]), default=0)\n',
+            ),
+            (
+                "trainer/supervise/runbook.py",
+                "    state.save(run_dir)\n",
+                '    state.save(run_dir)\n    target, moved = rewind(run_dir, spike["began"], n)\n',
+            ),
+        ),
+        ("tests/test_runbook.py::test_respond_rewinds_skips_and_records_everything",),
+        catch='at_save == [["20", "40"]]',
+    ),
+    M(
+        "group_hung_when_any_process_is",
+        "the group counts as hung as soon as one process is overdue",
+        (
+            (
+                "trainer/supervise/supervisor.py",
+                "phase, since, step, process = min(beats,",
+                "phase, since, step, process = max(beats,",
+            ),
+        ),
+        ("tests/test_multihost.py::test_a_peer_waiting_for_a_slow_save_is_not_a_hang",),
+        catch='e["event"] == "hang_detected"',
+    ),
+    M(
+        "params_sha256_of_the_wrong_tree",
+        "summary.json's params_sha256 hashes the optimizer state",
+        (
+            (
+                "trainer/core/endings.py",
+                'digest = params_sha256(st["params"])',
+                'digest = params_sha256(st["opt_state"])',
+            ),
+        ),
+        ("tests/test_checkpoint.py::test_params_sha256_is_the_sha256_of_the_final_params",),
+        catch='summary(run)["params_sha256"] == h.hexdigest()',
+    ),
+    M(
+        "replica_check_disabled",
+        "the replica check never reports a mismatch",
+        (
+            (
+                "trainer/core/loop.py",
+                'if (bad := w.replicas.check(st["params"])) is not None:',
+                'if (bad := w.replicas.check(st["params"])) is not None and False:',
+            ),
+        ),
+        ("tests/test_integrity.py::test_a_bitflip_in_one_replica_is_caught_rewound_and_the_run_ends_identical",),
+        catch='"replica_mismatch"',
+    ),
+    M(
+        "manifest_not_verified",
+        "restores skip the sha256 manifests",
+        (("trainer/core/tiers.py", "self.durable.verify(step) if self.cfg.verify else None", "None"),),
+        ("tests/test_integrity.py::test_a_bad_newest_checkpoint_is_rejected_and_the_previous_one_used[bytes_flipped]",),
+        catch='== [(20, "durable", bad_file)]',
+    ),
+    M(
+        "seed_change_resumes",
+        "a changed run.seed is not refused on resume",
+        (
+            (
+                "trainer/config.py",
+                'FROZEN_KEYS = ("model", "data.batch_size", "data.shuffle", "run.seed")',
+                'FROZEN_KEYS = ("model", "data.batch_size", "data.shuffle")',
+            ),
+        ),
+        ("tests/test_config.py::test_bad_input_exits_2_with_one_line_and_leaves_the_run_dir_untouched",),
+        catch="proc.returncode == 2",
+    ),
+    M(
+        "shuffle_change_resumes",
+        "a changed data.shuffle is not refused on resume",
+        (
+            (
+                "trainer/config.py",
+                'FROZEN_KEYS = ("model", "data.batch_size", "data.shuffle", "run.seed")',
+                'FROZEN_KEYS = ("model", "data.batch_size", "run.seed")',
+            ),
+        ),
+        ("tests/test_config.py::test_bad_input_exits_2_with_one_line_and_leaves_the_run_dir_untouched",),
+        catch="proc.returncode == 2",
+    ),
+    M(
+        "data_change_resumes",
+        "a resume on other training data is not refused",
+        (
+            (
+                "trainer/core/worker.py",
+                'if saved["data_fingerprint"] != fingerprint:',
+                'if saved["data_fingerprint"] != fingerprint and False:',
+            ),
+        ),
+        ("tests/test_eval.py::test_an_imported_token_file_trains_and_a_small_vocab_is_refused",),
+        catch='"the training data changed" in other.stderr',
+    ),
+    M(
+        "no_restart_budget",
+        "supervisor.max_restarts is never enforced",
+        (
+            (
+                "trainer/supervise/supervisor.py",
+                "if restarts >= self.sc.max_restarts:",
+                "if restarts >= self.sc.max_restarts and False:",
+            ),
+        ),
+        ("tests/test_supervisor.py::test_the_restart_budget_ends_the_run_with_exit_77_after_bounded_backoff",),
+        catch="proc.returncode == exit_codes.RESTART_BUDGET",
+    ),
+    M(
+        "backoff_not_exponential",
+        "the restart delay does not double for a step that keeps failing",
+        (
+            (
+                "trainer/supervise/supervisor.py",
+                "self.sc.backoff_s * 2 ** (tries - 2)",
+                "self.sc.backoff_s * 1 ** (tries - 2)",
+            ),
+        ),
+        ("tests/test_supervisor.py::test_the_restart_budget_ends_the_run_with_exit_77_after_bounded_backoff",),
+        catch="== [0.0, 0.2, 0.4, 0.5]",
+    ),
+    M(
+        "backoff_unbounded",
+        "the restart delay ignores supervisor.backoff_max_s",
+        (
+            (
+                "trainer/supervise/supervisor.py",
+                "self.sc.backoff_s * 2 ** (tries - 2), self.sc.backoff_max_s)",
+                "self.sc.backoff_s * 2 ** (tries - 2), float('inf'))",
+            ),
+        ),
+        ("tests/test_supervisor.py::test_the_restart_budget_ends_the_run_with_exit_77_after_bounded_backoff",),
+        catch="== [0.0, 0.2, 0.4, 0.5]",
+    ),
+    M(
+        "signal_fault_ignores_its_signal",
+        "the signal fault always sends SIGKILL",
+        (
+            (
+                "trainer/supervise/faults.py",
+                "os.kill(os.getpid(), getattr(signal, f.signal))",
+                "os.kill(os.getpid(), signal.SIGKILL)",
+            ),
+        ),
+        ("tests/test_status_report.py::test_status_and_report_while_running_and_after_restarts",),
+        catch='died["signal"] == "SIGUSR2"',
+    ),
+    M(
+        "recompute_counted_as_productive",
+        "the goodput ledger counts recomputed steps as productive",
+        (
+            (
+                "trainer/observe/goodput.py",
+                'secs["recompute" if e["step"] <= best else "productive"]',
+                'secs["recompute" if e["step"] < best else "productive"]',
+            ),
+        ),
+        ("tests/test_status_report.py::test_the_goodput_ledger_puts_known_seconds_in_each_category",),
+        catch="secs == {",
+    ),
+    M(
+        "health_off_ignored",
+        "log.health=false still starts the health collector and alerts",
+        (("trainer/observe/alerts.py", "    if not cfg.log.health:\n        return []\n", ""),),
+        ("tests/test_eval.py::test_eval_never_changes_training_and_its_loss_falls",),
+        catch='({"health_source", "health"} <= kinds) == on',
+    ),
+    M(
+        "audit_cli_exits_0_on_problems",
+        "`trainer audit` exits 0 although it found problems",
+        (("trainer/observe/audit.py", "return 1 if rep.problems else 0", "return 0"),),
+        ("tests/test_multihost.py::test_audit_catches_overlapping_shards",),
+        catch='p.returncode == 1 and "overlapping shards"',
+    ),
+    M(
+        "no_tensorboard_markers",
+        "restart and runbook markers are not written to TensorBoard",
+        (("trainer/observe/alerts.py", '            scalars.add(e["step"], {f"markers/{name}": 1.0})\n', ""),),
+        ("tests/test_runbook_e2e.py::test_a_recurring_spike_softens_and_a_persistent_one_gives_up",),
+        catch='tb.Scalars(f"markers/{name}")',
+    ),
+    M(
+        "tensorboard_imports_torch",
+        "the TensorBoard writer lets tensorboardX import torch (seconds a start)",
+        (("trainer/observe/tensorboard.py", '    hide = "torch" not in sys.modules', "    hide = False"),),
+        ("tests/test_dashboard.py::test_the_tensorboard_writer_does_not_import_torch",),
+        catch='out.stdout.strip() == "False"',
+    ),
+    M(
+        "later_attempts_not_dashed",
+        "the loss plot draws a restarted attempt's steps like the first attempt's",
+        (("trainer/observe/report.py", 'ls="-" if drawn == 0 else "--",', 'ls="-",'),),
+        ("tests/test_status_report.py::test_status_and_report_while_running_and_after_restarts",),
+        catch='ln.get_linestyle() for ln in series] == ["-", "--"]',
+    ),
+    # --- checkpoint tiers and integrity: tests/test_tiers.py, tests/test_integrity.py ---
+    M(
+        "local_tie_goes_to_durable",
+        "at equal steps the restore takes the durable checkpoint, not the local copy",
+        (
+            (
+                "trainer/core/tiers.py",
+                "key=lambda c: (c[0], c[1] == LOCAL), default=None)",
+                "key=lambda c: (c[0], c[1] == DURABLE), default=None)",
+            ),
+        ),
+        ("tests/test_tiers.py::test_at_the_same_step_the_local_copy_is_restored",),
+        catch="== (10, LOCAL, 10.5)",
+    ),
+    M(
+        "local_copy_of_another_mesh_used",
+        "a local copy saved under another mesh is restored",
+        (("trainer/core/tiers.py", ' or meta.get("mesh") != layout["mesh"]:', ":"),),
+        ("tests/test_tiers.py::test_a_local_copy_is_used_only_with_the_mesh_and_process_count_it_was_saved_under",),
+        catch='"another mesh"',
+    ),
+    M(
+        "local_copy_of_another_process_count_used",
+        "a local copy saved with another process count is restored",
+        (("trainer/core/tiers.py", 'meta.get("processes") != layout["processes"] or ', ""),),
+        ("tests/test_tiers.py::test_a_local_copy_is_used_only_with_the_mesh_and_process_count_it_was_saved_under",),
+        catch='"another process count"',
+    ),
+    M(
+        "rewound_local_copy_used",
+        "a local copy from the history the runbook rewound away from is restored",
+        (
+            (
+                "trainer/core/tiers.py",
+                'stale = any(to < step for to in self.rewinds[int(meta.get("lineage", 0)) :])',
+                "stale = False",
+            ),
+        ),
+        ("tests/test_tiers.py::test_a_local_copy_from_a_history_the_runbook_rewound_away_from_is_never_used",),
+        catch="the rewound-away copy of 12 was used",
+    ),
+    M(
+        "lineage_not_saved",
+        "local saves do not record how many rewinds preceded them: a copy saved after a rewind counts as rewound away",
+        (("trainer/core/tiers.py", "meta = dict(meta, lineage=len(self.rewinds))", "meta = dict(meta)"),),
+        ("tests/test_tiers.py::test_a_local_copy_from_a_history_the_runbook_rewound_away_from_is_never_used",),
+        catch="a copy saved after the rewind was passed over",
+    ),
+    M(
+        "local_failure_keeps_the_tier_on",
+        "a failed local save leaves the local tier on: every later local save fails again",
+        (
+            (
+                "trainer/core/tiers.py",
+                'action="local tier off until restart")\n        self.local = None\n',
+                'action="local tier off until restart")\n',
+            ),
+        ),
+        (
+            "tests/test_integrity.py::test_a_local_save_that_fails_turns_the_local_tier_off_and_the_durable_tier_goes_on",
+        ),
+        catch="failed == [(LOCAL, True)]",
+    ),
+    M(
+        "local_failure_stops_the_run",
+        "a failed local save ends the run like a failed durable one (exit 81)",
+        (
+            (
+                "trainer/core/tiers.py",
+                "            self._local_failed()\n        return self.durable.failure",
+                "            return self.local.failure\n        return self.durable.failure",
+            ),
+        ),
+        (
+            "tests/test_integrity.py::test_a_local_save_that_fails_turns_the_local_tier_off_and_the_durable_tier_goes_on",
+        ),
+        catch="a local failure stops the run",
+    ),
+    M(
+        "restore_reads_not_retried",
+        "a possibly transient error while Orbax reads a checkpoint is not retried",
+        (("trainer/core/tiers.py", "        manifest.retrying(load)\n", "        load()\n"),),
+        ("tests/test_integrity.py::test_possibly_transient_read_errors_are_retried_and_others_are_not",),
+        catch="a transient error on the restore path was not retried",
+    ),
+    M(
+        "retry_waits_do_not_double",
+        "retries wait 1, 1, 1 s instead of 1, 2, 4 s",
+        (("trainer/observe/manifest.py", "time.sleep(wait_s * 2**attempt)", "time.sleep(wait_s)"),),
+        ("tests/test_integrity.py::test_possibly_transient_read_errors_are_retried_and_others_are_not",),
+        catch="the waits do not double",
+    ),
+    M(
+        "retry_waits_start_shorter",
+        "the first retry waits 0.5 s, not the README's 1 s",
+        (("trainer/observe/manifest.py", "RETRIES, RETRY_WAIT_S = 3, 1.0", "RETRIES, RETRY_WAIT_S = 3, 0.5"),),
+        ("tests/test_integrity.py::test_possibly_transient_read_errors_are_retried_and_others_are_not",),
+        catch="calls[1] - calls[0] >= 1.0",
+    ),
+    M(
+        "two_retries",
+        "a possibly transient read error is retried twice, not 3 times",
+        (("trainer/observe/manifest.py", "RETRIES, RETRY_WAIT_S = 3, 1.0", "RETRIES, RETRY_WAIT_S = 2, 1.0"),),
+        ("tests/test_integrity.py::test_possibly_transient_read_errors_are_retried_and_others_are_not",),
+        catch="not 3 retries by default",
+    ),
+    M(
+        "verify_false_writes_manifests",
+        "checkpoint.verify=false still writes content manifests",
+        (
+            (
+                "trainer/core/checkpoint.py",
+                "            if self.cfg.verify:\n                manifest.write(",
+                "            if True:\n                manifest.write(",
+            ),
+        ),
+        (
+            "tests/test_tiers.py::test_verify_false_writes_no_manifests_and_restores_without_them_verify_true_requires_them",
+        ),
+        catch="a manifest was written with verify=false",
+    ),
+    M(
+        "verify_false_checks_durable",
+        "checkpoint.verify=false still requires manifests of a durable checkpoint",
+        (
+            (
+                "trainer/core/tiers.py",
+                "self.durable.verify(step) if self.cfg.verify else None",
+                "self.durable.verify(step)",
+            ),
+        ),
+        (
+            "tests/test_tiers.py::test_verify_false_writes_no_manifests_and_restores_without_them_verify_true_requires_them",
+        ),
+        catch="verify=false: the durable one was not trusted",
+    ),
+    M(
+        "verify_false_checks_local",
+        "checkpoint.verify=false still requires manifests of a local copy",
+        (
+            (
+                "trainer/core/tiers.py",
+                "        if not self.cfg.verify:\n            return None\n        for folder in folders:",
+                "        for folder in folders:",
+            ),
+        ),
+        (
+            "tests/test_tiers.py::test_verify_false_writes_no_manifests_and_restores_without_them_verify_true_requires_them",
+        ),
+        catch="verify=false: the local copy without manifests was not trusted",
+    ),
+    M(
+        "durable_load_failure_not_rejected",
+        "a durable checkpoint that verifies but fails to load ends the restore (the run starts from scratch)",
+        (
+            (
+                "trainer/core/tiers.py",
+                "restored, problem = self._restore(self.durable, step, abstract_state)",
+                "restored, _ = self._restore(self.durable, step, abstract_state)",
+            ),
+        ),
+        (
+            "tests/test_tiers.py::test_a_checkpoint_that_verifies_but_does_not_load_is_rejected_and_the_previous_one_used",
+        ),
+        catch="a checkpoint that did not load was used",
+    ),
+    M(
+        "local_load_failure_not_rejected",
+        "a local copy that verifies but fails to load is not rejected",
+        (
+            (
+                "trainer/core/tiers.py",
+                "return p and manifest.Problem(f\"{got.get('reading', '')}/\", p.reason)",
+                "return None",
+            ),
+        ),
+        (
+            "tests/test_tiers.py::test_a_checkpoint_that_verifies_but_does_not_load_is_rejected_and_the_previous_one_used",
+        ),
+        catch="a checkpoint that did not load was used",
+    ),
+    M(
+        "storage_exit_without_event",
+        "a durable save on a full disk ends the run without a checkpoint_failed event",
+        (
+            (
+                "trainer/core/endings.py",
+                '    w.events.write(CHECKPOINT_FAILED, step=step, tier="durable", message=msg)\n',
+                "",
+            ),
+        ),
+        ("tests/test_integrity.py::test_a_full_disk_stops_the_run_clearly_and_the_same_command_resumes",),
+        catch="no checkpoint_failed event",
+    ),
+    M(
+        "heartbeat_raises_on_a_full_disk",
+        "a heartbeat write on a full disk raises (the worker dies) instead of being dropped",
+        (
+            (
+                "trainer/observe/heartbeat.py",
+                "a real hang is still caught by its age\n            if e.errno not in NO_SPACE:",
+                "a real hang is still caught by its age\n            if True:",
+            ),
+        ),
+        ("tests/test_integrity.py::test_heartbeats_and_pulses_survive_a_full_disk",),
+        catch="out.returncode == 0",
+    ),
+    M(
+        "pulse_dies_on_a_full_disk",
+        "the pulse thread dies on a full disk (the supervisor then sees a frozen process)",
+        (
+            (
+                "trainer/observe/heartbeat.py",
+                "                if e.errno not in NO_SPACE:\n                    raise",
+                "                raise",
+            ),
+        ),
+        ("tests/test_integrity.py::test_heartbeats_and_pulses_survive_a_full_disk",),
+        catch="== [1, 3, True]",
+    ),
+    M(
+        "no_replica_check_before_a_save",
+        "the replica check runs only every N steps, not before every save (a corrupt state can be saved)",
+        (
+            (
+                "trainer/core/loop.py",
+                "if _replicas_due(w, step, saving=save is not None):",
+                "if _replicas_due(w, step, saving=False):",
+            ),
+        ),
+        ("tests/test_integrity.py::test_a_bitflip_in_one_replica_is_caught_rewound_and_the_run_ends_identical",),
+        catch='last_good"]) for m in _of(run, "replica_mismatch")] == [(20, 14)]',
+    ),
+    M(
+        "no_periodic_replica_check",
+        "the replica check runs only before saves, not every N steps",
+        (("trainer/core/loop.py", "(saving or step % w.cfg.integrity.replica_check_steps == 0)", "(saving)"),),
+        ("tests/test_integrity.py::test_a_bitflip_in_one_replica_is_caught_rewound_and_the_run_ends_identical",),
+        catch='last_good"]) for m in _of(run, "replica_mismatch")] == [(20, 14)]',
+    ),
+    M(
+        "replica_rewind_keeps_newer_checkpoints",
+        "the replica rewind keeps the checkpoints saved after the last step whose replicas agreed",
+        (
+            (
+                "trainer/supervise/replica_rewind.py",
+                'runbook.rewind(run_dir, e["last_good"] + 1, f"replica{tag}")',
+                'runbook.rewind(run_dir, e["step"] + 1, f"replica{tag}")',
+            ),
+        ),
+        ("tests/test_integrity.py::test_the_replica_rewind_moves_checkpoints_newer_than_the_last_good_step_aside",),
+        catch="checkpoints newer than last_good were kept",
+    ),
+    # --- export, sample, init_from, prepare, the data cache, inspect, run.deterministic ---
+    M(
+        "export_into_a_non_empty_out",
+        "export accepts an existing non-empty --out (then fails renaming onto it, with a traceback)",
+        (
+            (
+                "trainer/core/export.py",
+                "if out.exists() and not (out.is_dir() and not any(out.iterdir())):",
+                "if out.exists() and not out.is_dir():",
+            ),
+        ),
+        ("tests/test_export.py::test_export_creates_missing_parents_atomically_and_refuses_a_non_empty_out",),
+        catch='p.returncode == 2 and p.stderr.count("\\n") == 1',
+    ),
+    M(
+        "export_imports_torch",
+        "export imports torch (README: neither torch nor transformers is needed to export)",
+        (
+            (
+                "trainer/core/export.py",
+                "    from safetensors.numpy import save_file\n",
+                "    import torch  # noqa: F401\n    from safetensors.numpy import save_file\n",
+            ),
+        ),
+        ("tests/test_export.py::test_export_creates_missing_parents_atomically_and_refuses_a_non_empty_out",),
+        catch="blocked.returncode == 0",
+    ),
+    M(
+        "sample_top_k_ignored",
+        "`sample --top-k` is not passed to the decoder (draws from every token)",
+        (("trainer/core/sample.py", "        top_k=args.top_k,\n", "        top_k=0,\n"),),
+        ("tests/test_export.py::test_sample_top_k_seed_and_an_empty_prompt",),
+        catch='top1["new_ids"] == generate(loaded, [eos]',
+    ),
+    M(
+        "sample_seed_ignored",
+        "`sample --seed` is not passed to the decoder (every seed draws seed 0's text)",
+        (("trainer/core/sample.py", "        seed=args.seed,\n", "        seed=0,\n"),),
+        ("tests/test_export.py::test_sample_top_k_seed_and_an_empty_prompt",),
+        catch='hot["new_ids"] == generate(loaded, hot["prompt_ids"], seed=1',
+    ),
+    M(
+        "sample_empty_prompt_not_eos",
+        '`sample --prompt ""` starts from token 0 instead of end-of-text',
+        (("trainer/core/sample.py", "or [tok.eos_id]", "or [0]"),),
+        ("tests/test_export.py::test_sample_top_k_seed_and_an_empty_prompt",),
+        catch='top1["prompt_ids"] == [eos]',
+    ),
+    M(
+        "sample_default_temperature",
+        "`sample` is greedy by default, not the README's temperature 0.8",
+        (("trainer/core/sample.py", 'default=0.8, metavar="T"', 'default=0.0, metavar="T"'),),
+        ("tests/test_export.py::test_a_prepared_tokenizer_is_exported_and_sample_uses_it",),
+        catch='got["new_ids"] == want',
+    ),
+    M(
+        "init_from_step_dir_takes_newest",
+        "train.init_from=RUN_DIR/checkpoints/STEP is read as its run dir: the newest checkpoint's params",
+        (("trainer/observe/pick.py", "        return run, int(path.name)\n", "        return run, None\n"),),
+        ("tests/test_export.py::test_init_from_a_step_dir_takes_that_checkpoints_params",),
+        catch='src["from_step"] == older',
+    ),
+    M(
+        "prepare_dir_skips_record_files",
+        "a directory --input reads only its text files (its .jsonl/.parquet files are left out)",
+        (
+            (
+                "trainer/corpus/sources.py",
+                "    suffixes = TEXT_SUFFIXES + RECORD_SUFFIXES\n",
+                "    suffixes = TEXT_SUFFIXES\n",
+            ),
+        ),
+        ("tests/test_prepare.py::test_a_text_file_is_one_document_and_a_directory_reads_records_one_each",),
+        catch='_tokens(mixed, "train").tolist() == want.tolist()',
+    ),
+    M(
+        "prepare_text_file_split_into_paragraphs",
+        "a text file is cut into documents at blank lines instead of being one document",
+        (
+            (
+                "trainer/corpus/sources.py",
+                "                yield f.read_bytes()\n",
+                '                yield from f.read_bytes().split(b"\\n\\n")\n',
+            ),
+        ),
+        ("tests/test_prepare.py::test_a_text_file_is_one_document_and_a_directory_reads_records_one_each",),
+        catch='_tokens(one, "train").tolist() == eos(text).tolist()',
+    ),
+    M(
+        "prepare_always_uint16",
+        "prepare writes uint16 shards whatever the vocabulary (ids past 65535 wrap around)",
+        (("trainer/corpus/prepare.py", "    dtype = shards.dtype_for(tok.vocab_size)\n", '    dtype = "uint16"\n'),),
+        ("tests/test_prepare.py::test_a_vocabulary_past_65536_gets_uint32_shards_checked_at_start",),
+        catch='m["dtype"] == "uint32"',
+    ),
+    M(
+        "shard_size_unchecked_at_start",
+        "a training start checks only that each shard exists, not its size against meta.json",
+        (("trainer/corpus/shards.py", '        if size != s["n_tokens"] * item:\n', "        if size < 0:\n"),),
+        ("tests/test_prepare.py::test_a_vocabulary_past_65536_gets_uint32_shards_checked_at_start",),
+        catch="the prepared data is damaged",
+    ),
+    M(
+        "cache_wait_ignores_the_lock",
+        "a process waiting for the data cache ignores process 0's lock: it gives up while process 0 still prepares",
+        (
+            (
+                "trainer/corpus/cache.py",
+                "        fd = _lock(dest, fcntl.LOCK_SH | fcntl.LOCK_NB)\n",
+                "        fd = os.open(os.devnull, os.O_RDONLY)\n",
+            ),
+        ),
+        ("tests/test_prepare.py::test_a_process_waiting_for_an_unshared_cache_says_so_after_the_wait",),
+        catch="t.is_alive() and not said",
+    ),
+    M(
+        "cache_wait_never_gives_up",
+        "a process waiting on an unshared data cache restarts its clock every poll: it never says so, it hangs",
+        (
+            (
+                "trainer/corpus/cache.py",
+                "            free_since = free_since or time.monotonic()\n",
+                "            free_since = time.monotonic()\n",
+            ),
+        ),
+        ("tests/test_prepare.py::test_a_process_waiting_for_an_unshared_cache_says_so_after_the_wait",),
+        catch="data.cache_dir must be shared by all processes",
+    ),
+    M(
+        "deterministic_ignored",
+        "run.deterministic does not add XLA's deterministic-ops flag",
+        (
+            (
+                "trainer/__main__.py",
+                "    if cfg.run.deterministic and DETERMINISTIC_FLAG not in",
+                "    if False and cfg.run.deterministic and DETERMINISTIC_FLAG not in",
+            ),
+        ),
+        ("tests/test_first_hour.py::test_run_deterministic_adds_its_flag_to_xla_flags",),
+        catch='os.environ["XLA_FLAGS"] == "--xla_dump_hlo_as_text --xla_gpu_deterministic_ops=true"',
+    ),
+    M(
+        "deterministic_drops_the_users_xla_flags",
+        "run.deterministic replaces XLA_FLAGS with its flag (the user's own flags are lost)",
+        (
+            (
+                "trainer/__main__.py",
+                "f\"{os.environ.get(env_vars.XLA_FLAGS, '')} {DETERMINISTIC_FLAG}\".strip()",
+                "DETERMINISTIC_FLAG",
+            ),
+        ),
+        ("tests/test_first_hour.py::test_run_deterministic_adds_its_flag_to_xla_flags",),
+        catch='os.environ["XLA_FLAGS"] == "--xla_dump_hlo_as_text --xla_gpu_deterministic_ops=true"',
+    ),
+    M(
+        "mfu_ceiling_counts_whole_attention",
+        "inspect's MFU ceiling takes the loop's model FLOPs (the whole L x L attention) as useful: it passes 100%",
+        (
+            (
+                "trainer/core/inspect.py",
+                "    useful_flops = (useful.matmul_params + useful.attention) * tokens_per_device\n",
+                "    useful_flops = model_flops\n",
+            ),
+        ),
+        ("tests/test_sharding.py::test_inspect_mfu_ceiling_counts_useful_flops_and_cannot_pass_100_percent",),
+        catch='ceiling["compute"] <= 1.0',
+    ),
+    M(
+        "inspect_total_counts_all_reduce_twice",
+        "inspect's collective total counts each all-reduce's bytes twice (a ring's wire bytes, not the dump's)",
+        (
+            (
+                "trainer/core/inspect.py",
+                '"collective_bytes_total": stats.total_collective_bytes,',
+                '"collective_bytes_total": stats.total_collective_bytes + stats.collective_bytes["all-reduce"],',
+            ),
+        ),
+        ("tests/test_sharding.py::test_compiled_step_moves_what_the_plan_says",),
+        catch='got["collective_bytes_total"], got["collective_bytes_per_step"]',
+    ),
+    # --- the loop, the PRNG key, the runbook, the audit, flags agreed by all processes ---
+    M(
+        "stopped_run_rerun_trains_again",
+        "a run stopped at train.stop_at_step and re-run by the same command is handed to a worker (the "
+        '"already finished" check compares the newest checkpoint with train.steps only)',
+        (
+            (
+                "trainer/observe/outcome.py",
+                "steps[-1] < (cfg.train.stop_at_step or cfg.train.steps)",
+                "steps[-1] < cfg.train.steps",
+            ),
+        ),
+        ("tests/test_resume.py::test_stop_and_resume_is_bit_identical[data8_dropout]",),
+        catch="_snapshot(run) == before",
+    ),
+    M(
+        "loop_ignores_time_cadence",
+        "the training loop never passes the time cadence (checkpoint.every_minutes) to the group's agreement",
+        (("trainer/core/loop.py", "timed=due.durable,", "timed=False,"),),
+        ("tests/test_save_policy.py::test_the_loop_asks_the_time_cadence_at_every_step",),
+        catch='decided == [None, None, Save("durable", "periodic")',
+    ),
+    M(
+        "microbatches_share_a_dropout_key",
+        "every microbatch of a step draws its dropout from the same key",
+        (
+            (
+                "trainer/core/step.py",
+                "grad_fn(params, tokens_bL1, jax.random.fold_in(key, i))",
+                "grad_fn(params, tokens_bL1, key)",
+            ),
+        ),
+        ("tests/test_resume.py::test_each_microbatch_draws_its_own_dropout_key_and_each_step_advances_the_saved_one",),
+        catch='float(ab["loss"]) != float(ba["loss"])',
+    ),
+    M(
+        "prng_key_never_advances",
+        "the train step hands back the PRNG key it was given (the saved key is then always the seed's)",
+        (("trainer/core/step.py", '"rng": jax.random.key_data(next_key),', '"rng": state["rng"],'),),
+        ("tests/test_resume.py::test_each_microbatch_draws_its_own_dropout_key_and_each_step_advances_the_saved_one",),
+        catch="not np.array_equal(key1, key0)",
+    ),
+    M(
+        "restore_ignores_saved_key",
+        "a restore takes the PRNG key of a fresh init (the seed's) instead of the checkpoint's",
+        (
+            (
+                "trainer/core/loop.py",
+                "return restored.state, restored.step, restored.tier",
+                'return dict(restored.state, rng=w.spec.init()["rng"]), restored.step, restored.tier',
+            ),
+        ),
+        ("tests/test_resume.py::test_stop_and_resume_is_bit_identical[data8_dropout]",),
+        catch='summary(run)["params_sha256"] == summary(ref)["params_sha256"]',
+    ),
+    M(
+        "runbook_softened_lr_not_reapplied",
+        "a worker restored after a soften trains with the checkpoint's LR scale, clip and b2, not runbook.json's",
+        (
+            (
+                "trainer/core/loop.py",
+                "st = optim.set_hyperparams(st, w.hyperparams)  # runbook.json wins",
+                "pass  # runbook.json wins",
+            ),
+        ),
+        ("tests/test_runbook_e2e.py::test_a_recurring_spike_softens_and_a_persistent_one_gives_up",),
+        catch="at21[1] == at21[0] / 2",
+    ),
+    M(
+        "runbook_softened_clip_not_applied",
+        "a worker start reads runbook.json's LR scale and b2 but the config's clip norm",
+        (
+            (
+                "trainer/supervise/runbook.py",
+                'clip_norm=saved.get("clip_norm", optim.clip_norm),',
+                "clip_norm=optim.clip_norm,",
+            ),
+        ),
+        ("tests/test_runbook.py::test_respond_softens_on_recurrence_and_gives_up_saying_what_it_tried",),
+        catch='hyperparams == {"lr_scale": 0.5, "clip_norm": 0.5, "b2": 0.9}',
+    ),
+    M(
+        "audit_never_consumed_blind",
+        "the audit counts a data batch as consumed when a step of its number was recorded, not when its "
+        "samples were read (a cursor one batch late passes)",
+        (("trainer/observe/audit.py", "consumed = {g // batch for g in where}", "consumed = set(steps)"),),
+        ("tests/test_data.py::test_the_audit_names_a_batch_that_was_never_consumed",),
+        catch="problems == [",
+    ),
+    M(
+        "agree_and_not_or",
+        "the group acts on a flag only when every process that published raised it (AND, not OR)",
+        (
+            (
+                "trainer/core/agree.py",
+                'verdict = "".join("1" if any(v[i] == "1" for v in seen)',
+                'verdict = "".join("1" if all(v[i] == "1" for v in seen)',
+            ),
+        ),
+        ("tests/test_agree.py::test_two_processes_act_on_the_same_flags_at_the_same_step",),
+        catch="if v[0]] == [s for s in range(14 + lag, 23)]",
+    ),
+    # --- teardown and detection timing, loss-curve tolerances, the health collector ---
+    M(
+        "microbatch_grads_rounded_to_bf16",
+        "each microbatch's gradient is rounded to bf16 before it is accumulated (not fp32 accumulation)",
+        (
+            (
+                "trainer/core/step.py",
+                "jax.tree.map(jnp.add, acc[1], g)",
+                "jax.tree.map(lambda a, b: a + b.astype(jnp.bfloat16).astype(a.dtype), acc[1], g)",
+            ),
+        ),
+        ("tests/test_resume.py::test_meshes_microbatches_and_dropout_change_the_curve_only_as_they_should",),
+        catch="assert micro < CURVE_RTOL",
+    ),
+    M(
+        "group_teardown_by_sigterm",
+        "the launcher tears a broken group's survivors down with SIGTERM (they linger in their broken collective)",
+        (
+            (
+                "trainer/supervise/launcher.py",
+                "self._killed |= {i for i, p in enumerate(self.procs) if p.poll() is None}\n"
+                "            self.send_signal(signal.SIGKILL)",
+                "self._killed |= {i for i, p in enumerate(self.procs) if p.poll() is None}\n"
+                "            self.send_signal(signal.SIGTERM)",
+            ),
+        ),
+        ("tests/test_multihost.py::test_kill_and_hang_tear_the_group_down_and_the_run_ends_identical",),
+        catch="kill_teardown_s < PEER_DEATH_GRACE_S",
+    ),
+    M(
+        "signal_death_counted_as_a_consequence",
+        "a process killed by a signal is taken for one that follows its peers: the group waits out the grace",
+        (
+            (
+                "trainer/supervise/launcher.py",
+                "broken = [c for c in causes if c not in PEERS_FOLLOW]",
+                "broken = [c for c in causes if c not in PEERS_FOLLOW and c >= 0]",
+            ),
+        ),
+        ("tests/test_multihost.py::test_one_dead_process_takes_the_group_down_at_once",),
+        catch="teardown_s < GRACE_S / 2",
+    ),
+    M(
+        "config_exit_peers_follow",
+        "every controlled exit (exit 2 and STORAGE too) counts as one the peers make by themselves",
+        (
+            (
+                "trainer/supervise/group.py",
+                "PEERS_FOLLOW = (exit_codes.OK, exit_codes.PREEMPTED, exit_codes.SPIKE, exit_codes.REPLICA_MISMATCH)",
+                "PEERS_FOLLOW = CONTROLLED",
+            ),
+        ),
+        ("tests/test_multihost.py::test_a_config_exit_of_one_process_takes_the_group_down_at_once",),
+        catch="teardown_s < GRACE_S / 2 and",
+    ),
+    M(
+        "crash_loop_one_attempt_late",
+        "a crash loop is declared one failure after supervisor.crash_loop_restarts",
+        (
+            (
+                "trainer/supervise/supervisor.py",
+                "if same_step_failures >= self.sc.crash_loop_restarts:",
+                "if same_step_failures > self.sc.crash_loop_restarts:",
+            ),
+        ),
+        ("tests/test_supervisor.py::test_a_crash_loop_gives_up_with_the_step_and_the_last_error",),
+        catch="attempts == SupervisorConfig().crash_loop_restarts",
+    ),
+    M(
+        "health_latest_waits_for_a_read",
+        "a lock keeps readers off a half-built snapshot but is held while the sources are read: latest() waits",
+        (
+            (
+                "trainer/observe/health.py",
+                "self._latest: dict | None = None",
+                "self._latest: dict | None = None\n        self._lock = threading.Lock()",
+            ),
+            (
+                "trainer/observe/health.py",
+                "        return self._latest\n",
+                "        with self._lock:\n            return self._latest\n",
+            ),
+            (
+                "trainer/observe/health.py",
+                "        self.sample()\n        while not self._stop.wait(self.every_s):\n            self.sample()",
+                "        with self._lock:\n            self.sample()\n"
+                "        while not self._stop.wait(self.every_s):\n"
+                "            with self._lock:\n                self.sample()",
+            ),
+        ),
+        ("tests/test_dashboard.py::test_health_collector_is_off_the_hot_path_and_works_without_nvml",),
+        catch="min(src.during) > 1",
+    ),
+]
