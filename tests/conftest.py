@@ -31,6 +31,15 @@ if not COMPILE_CACHE:
     COMPILE_CACHE = os.environ["TRAINER_TESTS_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="trainer-tests-jax-cache-")
     atexit.register(shutil.rmtree, COMPILE_CACHE, True)
 
+# XLA:CPU's LLVM back end at its cheapest for the whole session (this process and, through the environment,
+# every worker it starts): the suite compiles about a hundred programs, and half of their CPU went to LLVM's
+# optimisation passes (tests/test_model.py: 95 -> 45 CPU-s). XLA's HLO passes (fusion, SPMD partitioning, the
+# collectives tests/test_sharding.py reads from the dump) do not depend on it. Every bitwise comparison is
+# between runs of this session, all compiled the same way; none compares with a run made outside it.
+SUITE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if SUITE_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {SUITE_XLA_FLAGS}".strip()
+
 # The tiny config shrunk further so a real run of a few dozen steps takes seconds on 2 cores. No end-of-run
 # report (matplotlib, ~2 s a run): the tests of the report and of its being written turn it back on.
 MICRO = [
