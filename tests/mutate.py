@@ -1,7 +1,7 @@
 """Mutation harness (not collected by pytest): plant one plausible bug at a time in a scratch copy of the
 repository, run the tests that promise to catch it there, and print a table (mutation, test, caught?).
 
-    python tests/mutate.py                       # every mutation (~40 min on 2 cores)
+    python tests/mutate.py --jobs 2              # every mutation, two at a time (~20 min on 2 cores)
     python tests/mutate.py prng_key_not_restored data_cursor_off_by_one   # some of them
     python tests/mutate.py --list                # names only
     python tests/mutate.py --out benchmarks/results/mutations.md --jobs 2 # baseline first, then the table
@@ -189,10 +189,12 @@ def main() -> int:
     if args.out:
         cmd = "python tests/mutate.py " + " ".join(sys.argv[1:])
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", *COPY], cwd=ROOT, capture_output=True, text=True)
+        tree = "with uncommitted changes" if dirty.stdout.strip() else "working tree clean"
         Path(args.out).write_text(
-            f"# Mutations\n\nCommand: `{cmd}` at commit {commit.stdout.strip()} (plus uncommitted changes, if any).\n"
-            f"A mutation is caught when every test it names fails at the statement named in `catch` (tests/mutate.py);"
-            f" a failure elsewhere is incidental.\n\n"
+            f"# Mutations\n\nCommand: `{cmd}` at commit {commit.stdout.strip()} ({tree}).\n"
+            "A mutation is caught when every test it names fails at the statement named in `catch`"
+            " (tests/mutations.py); a failure elsewhere is incidental.\n\n"
             + "\n".join(head)
             + f"{caught}/{len(chosen)} caught by their designed assertion.\n\n"
             + "\n".join(table)
