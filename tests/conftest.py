@@ -194,3 +194,28 @@ def _cpu_log(request):
     row = {"test": request.node.nodeid, "wall": round(time.time() - t0, 2), "cpu": round(cpu() - c0, 2)}
     with open(CPU_LOG, "a") as f:
         f.write(json.dumps(row) + "\n")
+
+
+# The longest modules first (wall seconds in tests/README.md's latest table). Under `--dist loadfile` each
+# module runs whole on one worker, in the order collected: a long module handed out last runs alone at the
+# end while the other workers sit idle. The SLURM modules mostly wait on daemons and timeouts, so starting
+# them early also fills their waits with the others' work. Order within a module is kept.
+HEAVY_FIRST = (
+    "test_integrity",
+    "test_resume",
+    "test_node_loss",
+    "test_multihost",
+    "test_supervisor",
+    "test_export",
+    "test_runbook_e2e",
+    "test_model",
+    "test_eval",
+    "test_llama",
+    "test_config",
+    "test_slurm_job",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
