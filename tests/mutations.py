@@ -868,6 +868,20 @@ MUTATIONS = [
         ("tests/test_agree.py::test_two_processes_act_on_the_same_flags_at_the_same_step",),
         catch="if v[0]] == [s for s in range(14 + lag, 23)]",
     ),
+    M(
+        "peer_stop_ends_as_done",
+        "a process that did not get the SIGTERM stops with its peer but ends as a plain stop (exit 0), not "
+        "preempted: the group's preemption reads as a finished run",
+        (
+            (
+                "trainer/core/loop.py",
+                "    flags.stop |= shared.stop  # a peer's SIGTERM stops this process too",
+                "    pass  # a peer's SIGTERM stops this process too",
+            ),
+        ),
+        ("tests/test_multihost.py::test_elastic_resume_on_another_process_count_keeps_the_global_order",),
+        catch="[exit_codes.PREEMPTED] * 2",
+    ),
     # --- teardown and detection timing, loss-curve tolerances, the health collector ---
     M(
         "microbatch_grads_rounded_to_bf16",

@@ -94,7 +94,16 @@ def test_kill_and_hang_tear_the_group_down_and_the_run_ends_identical(tmp_path, 
 def test_elastic_resume_on_another_process_count_keeps_the_global_order(tmp_path, ref):
     ref_run, corpus = ref
     run = tmp_path / "run"
-    for stop, shape in ((10, TWO), (20, ONE), (0, TWO)):  # 2 processes -> 1 -> 2, 8 devices throughout
+    # 2 processes -> 1 -> 2, 8 devices throughout. The first leg ends by a SIGTERM that process 1 alone gets
+    # (the `signal` fault, as it starts step 7): the group acts on it at one step, 10; both save
+    # and end preempted (exit 75, the code that makes SLURM requeue the job), process 0 too, which never saw
+    # a signal: ending it as a plain stop (exit 0) would end a preempted job as if it were done.
+    sigterm = "faults=[{kind: signal, step: 7, signal: SIGTERM, process: 1}]"
+    first = run_trainer(run, *group_overrides(corpus, *TWO, sigterm), check=False)
+    (exit1,) = [e for e in events(run) if e["event"] == "worker_exit"]
+    assert [code for _, code in exit1["exits"]] == [exit_codes.PREEMPTED] * 2, exit1
+    assert first.returncode == exit_codes.PREEMPTED, first.stderr[-3000:]
+    for stop, shape in ((20, ONE), (0, TWO)):
         run_trainer(run, *group_overrides(corpus, *shape, f"train.stop_at_step={stop}"))
     restores = [e["step"] for e in events(run) if e["event"] == "restore"]
     assert restores == [10, 20]
