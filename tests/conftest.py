@@ -100,6 +100,16 @@ def child_env() -> dict[str, str]:
     return dict(os.environ, PYTHONUNBUFFERED="1")
 
 
+def snapshot(d: Path) -> dict[str, tuple]:
+    """Every path under d: mode, size, mtime and the sha256 of its bytes (a run dir left alone compares equal)."""
+    out = {}
+    for p in sorted([d, *d.rglob("*")]):
+        st = p.lstat()
+        digest = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else ""
+        out[str(p.relative_to(d))] = (st.st_mode, st.st_size if p.is_file() else 0, st.st_mtime_ns, digest)
+    return out
+
+
 def events(run_dir: Path) -> list[dict]:
     out = []
     for line in (Path(run_dir) / "events.jsonl").read_text().splitlines():

@@ -779,7 +779,7 @@ MUTATIONS = [
             ),
         ),
         ("tests/test_resume.py::test_stop_and_resume_is_bit_identical[data8_dropout]",),
-        catch="_snapshot(run) == before",
+        catch="snapshot(run) == before",
     ),
     M(
         "loop_ignores_time_cadence",

@@ -4,7 +4,6 @@ recovered or reported, the JSON we write is strict, and the plots show only what
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -15,23 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import MICRO, ROOT, TINY, child_env, events, run_trainer, sets, summary, trainer_cmd
+from conftest import MICRO, ROOT, TINY, child_env, events, run_trainer, sets, snapshot, summary, trainer_cmd
 
 from trainer.__main__ import SUBCOMMANDS
 from trainer.observe import goodput, report, runview, status
 
 DONE = ["train.steps=12", "checkpoint.every_steps=6", "log.report=true"]
 NOBODY = 65534
-
-
-def _snapshot(d: Path) -> dict[str, tuple]:
-    """Every path under d: kind, mode, size, mtime and the sha256 of its bytes."""
-    out = {}
-    for p in sorted([d, *d.rglob("*")]):
-        st = p.lstat()
-        digest = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else ""
-        out[str(p.relative_to(d))] = (st.st_mode, st.st_size if p.is_file() else 0, st.st_mtime_ns, digest)
-    return out
 
 
 def _cli(*args: str, cwd: Path = ROOT, user: int | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -78,7 +67,7 @@ def test_a_finished_run_rerun_says_so_and_changes_no_byte(done, tmp_path):
     assert lines[-1].startswith(complete) and f"tensorboard --logdir {run}/tb" in lines[-1], first[-2000:]
     assert f"; report {run}/report/report.md;" in lines[-1], first[-2000:]
     assert not (run / "stacks").exists()  # no empty stack file left by the worker start
-    before = _snapshot(run)
+    before = snapshot(run)
     cache = f"data.cache_dir={run.parent / 'cache'}"
     for worker in (False, True):
         proc = subprocess.run(
@@ -91,7 +80,7 @@ def test_a_finished_run_rerun_says_so_and_changes_no_byte(done, tmp_path):
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert proc.stderr.splitlines() == [lines[-1]], proc.stderr  # the same one line, and nothing else
-        assert _snapshot(run) == before, f"re-run (worker={worker}) changed the run dir"
+        assert snapshot(run) == before, f"re-run (worker={worker}) changed the run dir"
     # A run whose train.steps was raised since is not finished: it resumes from its final checkpoint.
     more = _copy(run, tmp_path / "more")
     # As if the first session had ended an hour ago: that hour between invocations is no one's time.
@@ -162,10 +151,10 @@ def _bad_inputs(tmp: Path, run: Path) -> list[tuple[list[str], str]]:
 @pytest.mark.slow
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(done, tmp_path):
     run = _copy(done[0], tmp_path / "run")
-    before = _snapshot(run)
+    before = snapshot(run)
     for args, message in _bad_inputs(tmp_path, run):
         _one_error_line(_cli(*args), message)
-        assert _snapshot(run) == before, f"{args} changed the run dir"
+        assert snapshot(run) == before, f"{args} changed the run dir"
     # A corpus shorter than one window: refused before a run dir or a data-cache entry exists.
     new, cache = tmp_path / "new", tmp_path / "cache"
     for worker in (False, True):
@@ -174,13 +163,13 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(done, tmp_path):
         assert not new.exists() and not cache.exists()
     # runbook.json is ours and decides the data: damaged, it is refused by name, never guessed at.
     (run / "runbook.json").write_text('{"skips": [3, "x"]}')
-    before = _snapshot(run)
+    before = snapshot(run)
     for worker in (False, True):
         _one_error_line(
             _cli(*trainer_cmd(run, *DONE, "train.steps=14", worker=worker)[3:]),
             f"{run}/runbook.json is damaged (not the runbook's JSON object)",
         )
-        assert _snapshot(run) == before
+        assert snapshot(run) == before
 
 
 @pytest.mark.slow
@@ -192,7 +181,7 @@ def test_a_read_only_run_dir_or_parent_is_one_line_as_a_non_root_user(done):
         for p in [run, *run.rglob("*")]:
             os.chown(p, NOBODY, NOBODY, follow_symlinks=False)
         run.chmod(0o555)
-        before = _snapshot(run)
+        before = snapshot(run)
         # Finished: nothing to write, so a read-only run dir answers as usual.
         proc = _cli(*trainer_cmd(run, *DONE)[3:], user=NOBODY)
         assert proc.returncode == 0 and proc.stderr.startswith("run complete at step 12"), proc.stderr[-2000:]
@@ -200,7 +189,7 @@ def test_a_read_only_run_dir_or_parent_is_one_line_as_a_non_root_user(done):
             _cli(*trainer_cmd(run, "train.steps=14", "checkpoint.every_steps=6")[3:], user=NOBODY),
             f"run.dir {run} is not writable by this user; pick a run.dir you can write",
         )
-        assert _snapshot(run) == before
+        assert snapshot(run) == before
         (base / "ro").mkdir(mode=0o555)
         _one_error_line(
             _cli(*trainer_cmd(base / "ro" / "new", *DONE)[3:], user=NOBODY),

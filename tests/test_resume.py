@@ -4,13 +4,10 @@ Across meshes and microbatch counts the loss curve is the same up to float round
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
-from conftest import MICRO, TINY, events, run_trainer, step_losses, summary
+from conftest import MICRO, TINY, events, run_trainer, snapshot, step_losses, summary
 
 from trainer.config import MeshConfig, load_config
 from trainer.core import optim
@@ -46,16 +43,6 @@ CURVES = {
 }
 
 
-def _snapshot(d: Path) -> dict[str, tuple]:
-    """Every path under d: mode, size, mtime and the sha256 of its bytes."""
-    out = {}
-    for p in sorted([d, *d.rglob("*")]):
-        st = p.lstat()
-        digest = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else ""
-        out[str(p.relative_to(d))] = (st.st_mode, st.st_size if p.is_file() else 0, st.st_mtime_ns, digest)
-    return out
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_stop_and_resume_is_bit_identical(tmp_path, reference_run, case):
     ref = reference_run(*CASES[case])
@@ -70,9 +57,9 @@ def test_stop_and_resume_is_bit_identical(tmp_path, reference_run, case):
     assert not (run / "summary.json").exists()
     # The same command again: the run dir already holds what it asks for, so one line, exit 0, no byte
     # changed (answered before any worker starts).
-    before = _snapshot(run)
+    before = snapshot(run)
     again = run_trainer(*stopped, worker=True)
-    assert _snapshot(run) == before, "re-running a run stopped at train.stop_at_step changed its run dir"
+    assert snapshot(run) == before, "re-running a run stopped at train.stop_at_step changed its run dir"
     lines = again.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"stopped at step 13 (train.stop_at_step): checkpoint {run}/"), lines
     run_trainer(run, *CASES[case], *only_k, worker=True)
