@@ -269,12 +269,13 @@ def test_a_process_waiting_for_an_unshared_cache_says_so_after_the_wait(tmp_path
     t.join(timeout=60 * wait)
     assert said and "data.cache_dir must be shared by all processes" in (said[0] or ""), said
 
-    dest = cache.entry(cfg, sources.open_source(cfg.path, text_field="text", default_corpus_mb=0))
+    source = sources.open_source(cfg.path, text_field="text", default_corpus_mb=0)
+    dest = cache.entry(cfg, source)
     lock = cache._lock(dest, fcntl.LOCK_EX)  # process 0 is preparing
     t, said = waiter()
     time.sleep(4 * wait)
     assert t.is_alive() and not said, said  # still waiting, four times past the limit: the lock is held
-    plan = prepare.Plan(sources.open_source(cfg.path, text_field="text", default_corpus_mb=0), "bytes", Fraction(0))
+    plan = prepare.Plan(source, "bytes", Fraction(0))
     prepare.prepare(plan, dest.with_name("tmp-by-process-0"))
     os.rename(dest.with_name("tmp-by-process-0"), dest)
     os.close(lock)

@@ -4,6 +4,7 @@ the local tier's schedule, and which reason wins at one step. The clock is injec
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 from conftest import events, run_trainer
@@ -136,7 +137,7 @@ def test_the_loop_asks_the_time_cadence_at_every_step(tmp_path):
     cfg = CheckpointConfig(every_steps=0, every_minutes=1)
     p = SavePolicy(cfg, steps=100, stop_at=100, devices=8, restart_s=60, clock=clock)
     ckpt = tiers.Tiers(tmp_path, cfg, log=lambda *a, **f: None, pinned=None, rewinds=[])
-    w = type("Worker", (), {"ckpt": ckpt})()  # _agree reads only the worker's checkpoint tiers
+    w = types.SimpleNamespace(ckpt=ckpt)  # _agree reads only the worker's checkpoint tiers
     group, flags = agree.Agreement(Shared, processes=1, start=0), Flags()
     try:
         decided = []
