@@ -882,6 +882,14 @@ MUTATIONS = [
         ("tests/test_multihost.py::test_elastic_resume_on_another_process_count_keeps_the_global_order",),
         catch="[exit_codes.PREEMPTED] * 2",
     ),
+    M(
+        "hang_blame_ignores_pulses",
+        "a hang is blamed on the process furthest behind, never on the one whose pulses stopped (a frozen node "
+        "and its waiting peer look alike by their heartbeats)",
+        (("trainer/supervise/supervisor.py", "        if frozen and len(frozen) < len(pulses):", "        if False:"),),
+        ("tests/test_node_loss.py::test_a_frozen_node_is_blamed_the_job_shrinks_and_regrows_when_it_is_trusted_again",),
+        catch='"froze" in hang["why"]',
+    ),
     # --- teardown and detection timing, loss-curve tolerances, the health collector ---
     M(
         "microbatch_grads_rounded_to_bf16",
