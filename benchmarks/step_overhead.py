@@ -137,6 +137,23 @@ def _signal(procs: list, sig: int) -> None:
             pass
 
 
+def alternate(sides: dict[str, list], slice_s: float, *, until, broken) -> dict[str, list[tuple[float, float]]]:
+    """Run the sides' process trees one at a time, `slice_s` each, in turn, until `until()`; every side is
+    stopped at the end. Returns each side's running slices (start, end). `broken()`: a side exited."""
+    slices: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
+    while not until():
+        for side, procs in sides.items():
+            _signal(procs, signal.SIGCONT)
+            t0 = time.time()
+            time.sleep(slice_s)
+            t1 = time.time()
+            _signal(procs, signal.SIGSTOP)
+            slices[side].append((t0, t1))
+        if broken():
+            raise harness.BenchError("a side exited during the slices")
+    return slices
+
+
 def running_s(a: float, b: float, slices: list[tuple[float, float]]) -> float:
     """Seconds of [a, b] that fall inside the side's running slices."""
     return sum(max(0.0, min(b, t1) - max(a, t0)) for t0, t1 in slices)
@@ -200,7 +217,6 @@ def _pair(work: Path, cache: Path, warmup: int, n: int, slice_s: float, override
     full_cmd = harness.trainer_cmd(
         harness.TINY, run_dir, f"train.steps={warmup + n + TAIL}", f"run.compile_cache={cache}", *overrides
     )
-    slices: dict[str, list[tuple[float, float]]] = {"bare": [], "full": []}
     with harness.Proc(bare_cmd, work / "bare.log") as bare:
         # The bare side compiles first (filling the cache the trainer then hits) and stops itself.
         harness.wait_for("the bare loop's warm-up", lambda: out.with_suffix(".ready").exists(), timeout=600, proc=bare)
@@ -216,16 +232,12 @@ def _pair(work: Path, cache: Path, warmup: int, n: int, slice_s: float, override
             sides = {"bare": _tree(bare), "full": _tree(full)}
             _signal(sides["full"], signal.SIGSTOP)
             cpu0 = {k: {p.pid: harness.cpu_seconds([p.pid]) for p in v} for k, v in sides.items()}
-            while not _window_done(run_dir, warmup + n):
-                for side in ("bare", "full"):
-                    _signal(sides[side], signal.SIGCONT)
-                    t0 = time.time()
-                    time.sleep(slice_s)
-                    t1 = time.time()
-                    _signal(sides[side], signal.SIGSTOP)
-                    slices[side].append((t0, t1))
-                if full.popen.poll() is not None or bare.popen.poll() is not None:
-                    raise harness.BenchError(f"a side exited during the slices: see {work}")
+            slices = alternate(
+                sides,
+                slice_s,
+                until=lambda: _window_done(run_dir, warmup + n),
+                broken=lambda: full.popen.poll() is not None or bare.popen.poll() is not None,
+            )
             cpu = {k: sum(harness.cpu_seconds([p]) - c for p, c in v.items()) for k, v in cpu0.items()}
             _signal(sides["bare"], signal.SIGCONT)
             bare.popen.send_signal(signal.SIGTERM)  # handled between steps: it writes its timestamps

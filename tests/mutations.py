@@ -886,7 +886,7 @@ MUTATIONS = [
         "hang_blame_ignores_pulses",
         "a hang is blamed on the process furthest behind, never on the one whose pulses stopped (a frozen node "
         "and its waiting peer look alike by their heartbeats)",
-        (("trainer/supervise/supervisor.py", "        if frozen and len(frozen) < len(pulses):", "        if False:"),),
+        (("trainer/supervise/hang.py", "    if frozen and len(frozen) < len(pulses):", "    if False:"),),
         ("tests/test_node_loss.py::test_a_frozen_node_is_blamed_the_job_shrinks_and_regrows_when_it_is_trusted_again",),
         catch='"froze" in hang["why"]',
     ),
@@ -982,5 +982,66 @@ MUTATIONS = [
         ),
         ("tests/test_dashboard.py::test_health_collector_is_off_the_hot_path_and_works_without_nvml",),
         catch="min(src.during) > 1",
+    ),
+    M(
+        "straggler_named_though_it_keeps_ahead",
+        "the straggler watch names the process with the most own time even when it still waits on its device "
+        "(a slower host hidden behind the device step costs nothing)",
+        (
+            (
+                "trainer/supervise/straggler.py",
+                "if not others or (w.wait[p] > CRITICAL * step and not w.sync[p]):",
+                "if not others:",
+            ),
+        ),
+        ("tests/test_straggler.py::test_a_process_whose_steps_run_in_the_call_is_judged_by_its_own_time",),
+        catch="assert out == []",
+    ),
+    M(
+        "straggler_blamed_for_any_slowdown",
+        "a busy host is named for a slowdown its own work does not explain (the devices slowed for everyone)",
+        (
+            (
+                "trainer/supervise/straggler.py",
+                "if slowdown < self.cfg.factor or excess < EXPLAINS * (step - calm):",
+                "if slowdown < self.cfg.factor:",
+            ),
+        ),
+        ("tests/test_straggler.py::test_a_group_slower_for_another_reason_names_no_one",),
+        catch='w.observe(g.run(20, [0.01, 0.015]), "a") == []',
+    ),
+    M(
+        "straggler_verdict_on_one_window",
+        "one slow window makes a verdict (straggler.windows ignored): a pause is called a straggler",
+        (("trainer/supervise/straggler.py", "            if n >= self.cfg.windows:", "            if n >= 1:"),),
+        ("tests/test_straggler.py::test_below_the_factor_or_for_one_window_no_verdict",),
+        catch='assert w.observe(g.run(20, own), "a") == []',
+    ),
+    M(
+        "health_from_process_0_only",
+        "only process 0 watches its host's health: an ECC rise on another host is never seen",
+        (("trainer/observe/alerts.py", "        return [hardware]", "        return []"),),
+        ("tests/test_straggler.py::test_a_slowed_process_is_named_with_its_node_and_an_ecc_rise_on_it_checkpoints",),
+        catch="assert health == {0, 1}",
+    ),
+    M(
+        "straggler_costs_nothing_in_the_ledger",
+        "the goodput ledger leaves a straggler's lost step time in productive",
+        (("trainer/observe/goodput.py", '    moved = min(slowed, secs["productive"])', "    moved = 0.0"),),
+        ("tests/test_status_report.py::test_a_straggler_costs_the_group_its_lost_step_time_and_the_drain_its_restart",),
+        catch="assert secs == {",
+    ),
+    M(
+        "drain_keeps_the_node",
+        "a drained straggler's node is not marked suspect: the group restarts on it again",
+        (
+            (
+                "trainer/supervise/supervisor.py",
+                '            att.proc.blame_node(v.node, f"straggler: {straggler.describe(v)}")\n',
+                "",
+            ),
+        ),
+        ("tests/test_node_loss.py::test_a_straggler_node_is_drained_onto_the_spare_and_the_run_ends_identical",),
+        catch='assert [s["nodes"] for s in starts] == [["n1", "n2"], ["n1", "n3"]], starts',
     ),
 ]

@@ -292,7 +292,7 @@ def _fake_nvml(ecc: list[int]):
             self.i = i
 
     nv.NVMLError = NVMLError
-    nv.NVML_TEMPERATURE_GPU, nv.NVML_VOLATILE_ECC = 0, 0
+    nv.NVML_TEMPERATURE_GPU, nv.NVML_VOLATILE_ECC, nv.NVML_CLOCK_SM = 0, 0, 1
     nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 0, 1
     nv.nvmlClocksThrottleReasonHwSlowdown, nv.nvmlClocksThrottleReasonSwThermalSlowdown = 0x8, 0x20
     nv.nvmlClocksThrottleReasonHwThermalSlowdown, nv.nvmlClocksThrottleReasonHwPowerBrakeSlowdown = 0x40, 0x80
@@ -317,6 +317,7 @@ def _fake_nvml(ecc: list[int]):
         nvmlDeviceGetIndex=lambda h: h.i,
         nvmlDeviceGetTemperature=lambda h, s: 60 + h.i,
         nvmlDeviceGetPowerUsage=lambda h: 350_000,
+        nvmlDeviceGetClockInfo=lambda h, kind: 1980 - 500 * h.i,
         nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=40 * health.GB),
         nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=97),
         nvmlDeviceGetTotalEccErrors=ecc_errors,
@@ -327,6 +328,39 @@ def _fake_nvml(ecc: list[int]):
         nvmlEventSetFree=lambda events: None,
     )
     return nv
+
+
+def test_every_nvml_call_exists_in_the_installed_nvidia_ml_py_with_a_signature_that_takes_it():
+    """CI has no GPU, so the NVML source runs against the fake above; this pins both to the real library's
+    API surface: every name trainer/observe/health.py reads from the module, and every name the fake stands
+    in for, exists in the installed nvidia-ml-py, and each call's argument count binds to its signature."""
+    import ast
+    import inspect
+
+    import pynvml  # nvidia-ml-py, a test dependency (pyproject's test extra)
+
+    used: dict[str, int | None] = {}  # name -> positional arguments of a call (None: read, not called)
+    for node in ast.walk(ast.parse(Path(health.__file__).read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("nv", "pynvml"):
+            used.setdefault(node.attr, None)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if isinstance(node.func.value, ast.Name) and node.func.value.id in ("nv", "pynvml"):
+                used[node.func.attr] = len(node.args)
+    assert len(used) >= 20, sorted(used)  # the parse found the calls (a refactor renaming `nv` would hide them)
+    for name, nargs in used.items():
+        real = getattr(pynvml, name, None)
+        assert real is not None, f"pynvml has no {name}"
+        if nargs is not None:
+            inspect.signature(real).bind(*range(nargs))  # raises TypeError if the call could not take them
+    fake = {k: v for k, v in vars(_fake_nvml([0])).items() if k.startswith(("nvml", "NVML"))}
+    assert set(used) - {"NVMLError"} <= set(fake), set(used) - set(fake)  # the fake covers what the source uses
+    for name, stand_in in fake.items():
+        real = getattr(pynvml, name, None)
+        assert real is not None, f"the fake's {name} is not in pynvml"
+        if callable(stand_in) and not isinstance(stand_in, type):
+            n = len(inspect.signature(stand_in).parameters)
+            inspect.signature(real).bind(*range(n))
+    assert issubclass(pynvml.NVMLError, Exception)
 
 
 def test_nvml_source_reads_every_gpu_and_a_rising_ecc_count_asks_for_a_checkpoint(monkeypatch):
@@ -341,6 +375,7 @@ def test_nvml_source_reads_every_gpu_and_a_rising_ecc_count_asks_for_a_checkpoin
     assert mon.on_step(1, {}) is None  # the first sample is the baseline
     gpu0, gpu1 = collector.latest()["devices"]["gpu0"], collector.latest()["devices"]["gpu1"]
     assert gpu0["temp_c"] == 60 and gpu0["power_w"] == 350 and gpu0["mem_used_gb"] == 40 and gpu0["throttled"] == 0
+    assert (gpu0["sm_clock_mhz"], gpu1["sm_clock_mhz"]) == (1980, 1480)
     assert "ecc_corrected" not in gpu1 and gpu1["throttled"] == 1 and gpu1["xid_count"] == 1 and gpu1["last_xid"] == 79
     assert "health/gpu1/temp_c" in sink.scalars
     ecc[0] = 3

@@ -121,6 +121,7 @@ def test_supervisor_status_report_without_jax(tmp_path):
 RANK = {
     "__init__": -1,  # trainer/__init__.py: the package docstring; imports nothing
     "yamltree": 0,  # the YAML parser under config
+    "config_rules": 0.5,  # the rules a built config must satisfy (config's sections only for type checking)
     "config": 1,  # imports yamltree and nothing else of the project
     "observe": 2,  # the run dir's files, their writers and readers
     "corpus": 3,
@@ -138,9 +139,18 @@ def _unit(dotted: str) -> str:
 
 
 def _imported(module: str, is_package: bool, tree: ast.AST) -> list[tuple[ast.stmt, str]]:
-    """(statement, module) of every import of the project in a module's source, those inside functions too."""
+    """(statement, module) of every import of the project in a module's source, those inside functions too;
+    not those under `if TYPE_CHECKING:` (annotations only: nothing is imported when the program runs)."""
     out = []
+    typing_only = {
+        id(n)
+        for top in ast.walk(tree)
+        if isinstance(top, ast.If) and isinstance(top.test, ast.Name) and top.test.id == "TYPE_CHECKING"
+        for n in ast.walk(top)
+    }
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             out += [(node, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):

@@ -158,6 +158,7 @@ def test_the_goodput_ledger_puts_known_seconds_in_each_category():
     assert secs == {
         "productive": 13.5,
         "recompute": 4.0,
+        "straggler": 0.0,
         "checkpoint": 4.5,
         "startup": 8.0,
         "shutdown": 5.0,
@@ -165,6 +166,40 @@ def test_the_goodput_ledger_puts_known_seconds_in_each_category():
     }, secs
     assert led["wall_s"] == 58.0 and led["recoveries_s"] == [10.0, 9.0]
     assert led["goodput"]["fractions"] == {k: v / 58.0 for k, v in secs.items()}
+
+
+def test_a_straggler_costs_the_group_its_lost_step_time_and_the_drain_its_restart():
+    """The supervisor's verdicts carry the step seconds a slow process cost the group (lost_s): they move
+    from productive to straggler. A drain (its group saved and stopped to restart without that node) costs
+    the time from its exit to the first step of the group without it."""
+    t = 0.0
+    history = [
+        {"event": "supervisor_start", "time": t},
+        *(
+            {"event": "step", "time": t + 6 + 2 * n, "step": n, "step_s": 2.0, "ckpt_block_s": 0.0}
+            for n in (1, 2, 3, 4)
+        ),
+        {"event": "straggler", "time": t + 13, "by": "supervisor", "process": 1, "lost_s": 1.5},
+        {"event": "preempted", "time": t + 15, "step": 4},  # the worker's: its save-and-stop took 1 s
+        {"event": "straggler_cleared", "time": t + 15.2, "by": "supervisor", "process": 1, "lost_s": 0.5},
+        {"event": "worker_exit", "time": t + 15.4, "by": "supervisor", "exit_code": 75},
+        {"event": "straggler_drained", "time": t + 15.5, "by": "supervisor", "process": 1},
+        {"event": "worker_start", "time": t + 16, "by": "supervisor"},
+        {"event": "step", "time": t + 25, "step": 5, "step_s": 2.0, "ckpt_block_s": 0.0},  # began at 23
+        {"event": "run_complete", "time": t + 26, "step": 5},
+    ]
+    secs = goodput.ledger(history, t, t + 27)["goodput"]["seconds"]
+    # productive 5 x 2 - 2 lost; straggler 2 lost + the drain 23 - 15.5; checkpoint 15 - 14 and 26 - 25;
+    # startup 6 (the first step began at 6); shutdown 27 - 26; restart the rest
+    assert secs == {
+        "productive": 8.0,
+        "recompute": 0.0,
+        "straggler": 9.5,
+        "checkpoint": 2.0,
+        "startup": 6.0,
+        "shutdown": 1.0,
+        "restart": 0.5,
+    }, secs
 
 
 def test_the_goodput_bar_and_table_run_largest_first_and_say_so(tmp_path, monkeypatch):
@@ -189,6 +224,7 @@ def test_the_goodput_bar_and_table_run_largest_first_and_say_so(tmp_path, monkey
     assert secs == {
         "productive": 7.5,
         "recompute": 0.0,
+        "straggler": 0.0,
         "checkpoint": 2.5,
         "startup": 8.0,
         "shutdown": 1.0,
@@ -216,6 +252,7 @@ def test_the_goodput_bar_and_table_run_largest_first_and_say_so(tmp_path, monkey
     assert "largest first" in table[2] and [row.split(" | ")[0].lstrip("| ") for row in table[6:]] == [
         *want,
         "recompute",
+        "straggler",
     ]
     plt.close("all")
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from trainer.config_rules import validate
 from trainer.yamltree import ConfigError, build, read_yaml, set_dotted
 
 FROZEN_KEYS = ("model", "data.batch_size", "data.shuffle", "run.seed")  # changed, a checkpoint means nothing: no resume
@@ -33,20 +34,10 @@ class MeshConfig:
     cpu_devices: int = 0  # >0: force this many fake CPU devices per process (test mode)
 
 
-REMAT = ("none", "full", "save_dots", "save_attention")  # model.remat's policies (trainer.core.model)
-
-
 # model.arch -> the parts that family implies, for each model key its YAML leaves unset (trainer.core.model).
 ARCH_DEFAULTS = {  # gpt2: the ModelConfig defaults below are GPT-2's
     "gpt2": {},
     "llama": dict(position="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False),
-}
-MODEL_CHOICES = {
-    "position": ("learned", "rope"),
-    "norm": ("layernorm", "rmsnorm"),
-    "mlp": ("gelu", "swiglu"),
-    "compute_dtype": ("float32", "bfloat16"),
-    "attention": ("auto", "xla", "xla_remat", "cudnn"),
 }
 
 
@@ -149,22 +140,21 @@ class IntegrityConfig:
     replica_check_steps: int = 0  # compare data-parallel copies of the params every N steps and before saves; 0 = off
 
 
-# faults[].kind and faults[].phase (where hang and slow fire); trainer.supervise.faults fires them
-FAULT_KINDS = tuple("crash hang crash_mid_save slow slow_save signal ecc nan spike bitflip startup node".split())
-FAULT_PHASES = ("step", "startup", "restore", "compile", "checkpoint", "eval")
-
-
 @dataclass
 class Fault:
     kind: str  # one of FAULT_KINDS (crash, hang, slow, node, ...): what fires; trainer.supervise.faults says how
     step: int  # startup: ignored (it fires while the worker starts, before any step)
-    seconds: float = 0.0  # slow: extra seconds per step; slow_save: extra seconds to commit the durable save
+    # slow: extra seconds per step; hog: its CPU burst per step (0: all the time); slow_save: extra seconds to
+    # commit the durable save
+    seconds: float = 0.0
+    step_multiple: float = 0.0  # slow: sleep this many times the step time measured before it (not `seconds`)
     phase: str = "step"  # hang, slow: the phase they fire in: step | startup | restore | compile | checkpoint | eval
-    count: int = 1  # slow: how many steps; ecc: simulated ECC errors added per step from `step` on
+    count: int = 1  # slow, hog: how many steps; ecc: simulated ECC errors added per step from `step` on
     signal: str = "SIGKILL"  # signal: which one the worker sends itself
     scale: float = 1000.0  # spike: multiply the LR by this for the one update at `step`
     repeat: bool = False  # fire on every attempt (a deterministic bug), not just once
     process: int = 0  # the process it fires on (node: that process's whole node is lost; supervise/lose_node.py)
+    node: str = ""  # slow, hog: fire on whichever process runs on this node, on every attempt (a slow host)
 
 
 @dataclass
@@ -191,6 +181,7 @@ class LaunchConfig:
     coordinator_port: int = 0  # 0 = local: a free port, slurm: from the job id (20000-32767); + the attempt
     init_timeout_s: int = 300  # how long processes wait for each other in jax.distributed.initialize
     exit_grace_s: float = 30.0  # after one process exits cleanly, how long the others get to follow
+    cpus_per_process: int = 0  # local: process i on its own CPUs, as if on its own host (test mode); 0 = any
 
 
 @dataclass
@@ -202,6 +193,20 @@ class AlertsConfig:
     throughput_steps: int = 5  # ... as the median of this many consecutive steps (one slow step is noise)
     ecc_rise: int = 1  # new ECC errors between two health samples that mean "rising": checkpoint now
     overdue_fraction: float = 0.5  # supervisor alerts when heartbeat silence passes this part of the timeout
+
+
+@dataclass
+class StragglerConfig:
+    """Which process slows the lockstep group (trainer.supervise.straggler): judged by the supervisor from the
+    timing in every worker's heartbeat, with more than one process."""
+
+    enabled: bool = True
+    factor: float = 1.2  # verdict: one process's own time slows the group's step by this factor or more
+    window_steps: int = 20  # clean steps per window (every process's), compared across processes
+    windows: int = 2  # consecutive slow windows for a verdict (and calm ones to clear it)
+    grace_steps: int = 5  # steps not counted after an attempt starts and after each save or eval
+    mad_k: float = 3.0  # with 4+ processes: its excess must also pass mad_k x its peers' spread (MAD)
+    action: str = "alert"  # alert | drain (slurm: checkpoint, restart without its node; a spare takes its place)
 
 
 @dataclass
@@ -238,6 +243,7 @@ class Config:
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     runbook: RunbookConfig = field(default_factory=RunbookConfig)
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
     integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     faults: list[Fault] = field(default_factory=list)
@@ -267,149 +273,6 @@ def _with_arch(tree: dict) -> dict:
     if not ARCH_DEFAULTS[arch]:
         return tree
     return dict(tree, model={**ARCH_DEFAULTS[arch], **model})
-
-
-def _positive(cfg: Config, *keys: str, allow_zero: bool = False) -> None:
-    for key in keys:
-        section, name = key.split(".")
-        v = getattr(getattr(cfg, section), name)
-        if v < 0 or (v == 0 and not allow_zero):
-            need = ">= 0" if allow_zero else "> 0"
-            raise ConfigError(f"{key} must be {need}, got {v}")
-
-
-# Keys that must be > 0, and keys that must be >= 0 (0 means off or none); validate() checks both.
-_POSITIVE = (
-    "model.vocab_size model.seq_len model.d_model model.n_layers checkpoint.mtbf_hours model.n_heads "
-    "model.rope_theta model.norm_eps data.batch_size train.steps train.microbatches optim.lr optim.clip_norm "
-    "log.every_steps data.read_threads data.default_corpus_mb data.prepare_workers eval.batches "
-    "checkpoint.keep_latest mesh.fsdp mesh.tensor supervisor.crash_loop_restarts supervisor.step_timeout_s "
-    "supervisor.eval_timeout_s supervisor.poll_s log.health_every_s alerts.grad_window alerts.grad_rise "
-    "alerts.throughput_window alerts.throughput_steps alerts.ecc_rise alerts.overdue_fraction"
-).split()
-
-_NON_NEGATIVE = (
-    "model.d_ff model.n_kv_heads train.z_loss optim.warmup_steps train.stop_at_step checkpoint.every_steps "
-    "checkpoint.keep_every checkpoint.auto_devices mesh.cpu_devices checkpoint.local_every_steps "
-    "checkpoint.local_every_minutes integrity.replica_check_steps log.peak_flops data.prefetch "
-    "supervisor.max_restarts eval.every_steps launch.suspect_retry_minutes"
-).split()
-
-
-def validate(cfg: Config) -> None:
-    _validate_ranges(cfg)
-    _validate_interval(cfg)
-    _validate_model_and_run(cfg)
-    _validate_faults(cfg.faults, cfg.launch.processes)
-    _validate_launch(cfg.launch)
-    _validate_runbook(cfg.runbook)
-
-
-def _validate_ranges(cfg: Config) -> None:
-    """Keys that must be positive (or non-negative), and the alert thresholds' intervals."""
-    _positive(cfg, *_POSITIVE)
-    _positive(cfg, *_NON_NEGATIVE, allow_zero=True)
-    if not 0.0 < cfg.alerts.throughput_drop < 1.0:
-        raise ConfigError(f"alerts.throughput_drop must be in (0, 1), got {cfg.alerts.throughput_drop}")
-    if not 0.0 < cfg.alerts.overdue_fraction < 1.0:
-        raise ConfigError(f"alerts.overdue_fraction must be in (0, 1), got {cfg.alerts.overdue_fraction}")
-    if cfg.alerts.grad_rise <= 1.0:
-        raise ConfigError(f"alerts.grad_rise must be > 1 (a growth factor), got {cfg.alerts.grad_rise}")
-    if cfg.mesh.data == 0 or cfg.mesh.data < -1:
-        raise ConfigError(f"mesh.data must be > 0 or -1 (fill), got {cfg.mesh.data}")
-
-
-def _validate_model_and_run(cfg: Config) -> None:
-    m = cfg.model
-    if m.d_model % m.n_heads:
-        raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
-    if m.n_heads % (m.n_kv_heads or m.n_heads):
-        raise ConfigError(f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.n_kv_heads})")
-    for key, choices in MODEL_CHOICES.items():
-        if getattr(m, key) not in choices:
-            say = f"{', '.join(choices[:-1])} or {choices[-1]}"
-            raise ConfigError(f"model.{key} must be {say}, got {getattr(m, key)!r}")
-    if m.position == "rope" and (m.d_model // m.n_heads) % 2:
-        raise ConfigError(f"model.position=rope needs an even head dim (d_model / n_heads = {m.d_model // m.n_heads})")
-    if (remat := cfg.model.remat) not in REMAT:  # was a bool: say which policy the old value meant
-        was = {"True": "; true is now full", "False": "; false is now none"}.get(remat, "")
-        raise ConfigError(f"model.remat must be one of {', '.join(REMAT)}, got {remat!r}{was}")
-    if not 0.0 <= cfg.model.dropout < 1.0:
-        raise ConfigError(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
-    if cfg.train.stop_at_step > cfg.train.steps:
-        raise ConfigError(f"train.stop_at_step ({cfg.train.stop_at_step}) is past train.steps ({cfg.train.steps})")
-    if not cfg.run.dir:
-        raise ConfigError("run.dir must be set (e.g. --set run.dir=runs/mine)")
-
-
-def _validate_faults(faults: list[Fault], processes: int) -> None:
-    for i, f in enumerate(faults):
-        if not 0 <= f.process < processes:
-            raise ConfigError(f"faults[{i}].process must be in [0, launch.processes={processes}), got {f.process}")
-        if f.kind not in FAULT_KINDS:
-            raise ConfigError(f"faults[{i}].kind must be one of {', '.join(FAULT_KINDS)}, got {f.kind!r}")
-        if f.step < 0:
-            raise ConfigError(f"faults[{i}].step must be >= 0, got {f.step}")
-        if f.phase not in FAULT_PHASES or (f.phase != "step" and f.kind not in ("hang", "slow")):
-            raise ConfigError(
-                f"faults[{i}].phase must be one of {', '.join(FAULT_PHASES)} (hang and slow only), "
-                f"got {f.phase!r} for {f.kind}"
-            )
-
-
-def _validate_runbook(rc: RunbookConfig) -> None:
-    for key in ("window", "min_history", "loss_sigma", "grad_sigma", "grad_sustain", "onset_sigma", "max_actions"):
-        if getattr(rc, key) <= 0:
-            raise ConfigError(f"runbook.{key} must be > 0, got {getattr(rc, key)}")
-    for key in ("warmup_steps", "probe_steps", "recur_distance", "loss_min_rise", "grad_min_rise"):
-        if getattr(rc, key) < 0:
-            raise ConfigError(f"runbook.{key} must be >= 0, got {getattr(rc, key)}")
-    if rc.min_history > rc.window:
-        raise ConfigError(f"runbook.min_history ({rc.min_history}) must be <= runbook.window ({rc.window})")
-    if rc.onset_sigma > min(rc.loss_sigma, rc.grad_sigma):
-        raise ConfigError(f"runbook.onset_sigma ({rc.onset_sigma}) must be <= loss_sigma and grad_sigma")
-    for key in ("lr_factor", "clip_factor"):
-        if not 0.0 < getattr(rc, key) <= 1.0:
-            raise ConfigError(f"runbook.{key} must be in (0, 1], got {getattr(rc, key)}")
-    if not (rc.b2 == 0.0 or 0.0 < rc.b2 < 1.0):
-        raise ConfigError(f"runbook.b2 must be 0 (unchanged) or in (0, 1), got {rc.b2}")
-
-
-def _validate_launch(lc: LaunchConfig) -> None:
-    if lc.mode not in ("local", "slurm"):
-        raise ConfigError(f"launch.mode must be local or slurm, got {lc.mode!r}")
-    if lc.processes < 1 or lc.processes_per_node < 1 or lc.init_timeout_s < 1:
-        raise ConfigError(
-            f"launch.processes ({lc.processes}), launch.processes_per_node ({lc.processes_per_node})"
-            f" and launch.init_timeout_s ({lc.init_timeout_s}) must be >= 1"
-        )
-    if lc.processes % lc.processes_per_node:
-        raise ConfigError(
-            f"launch.processes ({lc.processes}) must be a multiple of launch.processes_per_node"
-            f" ({lc.processes_per_node})"
-        )
-    if not 0 <= lc.min_processes <= lc.processes:
-        raise ConfigError(
-            f"launch.min_processes must be in [0, launch.processes={lc.processes}], got {lc.min_processes}"
-        )
-    if not (lc.coordinator_port == 0 or 1024 <= lc.coordinator_port <= 64000):
-        raise ConfigError(
-            f"launch.coordinator_port must be 0 (pick one) or in [1024, 64000], got {lc.coordinator_port}"
-        )
-
-
-def _validate_interval(cfg: Config) -> None:
-    m = cfg.checkpoint.every_minutes
-    if isinstance(m, str) and m != "auto":
-        try:
-            m = float(m)
-        except ValueError:
-            raise ConfigError(f"checkpoint.every_minutes must be a number of minutes or 'auto', got {m!r}") from None
-    if not isinstance(m, str) and (isinstance(m, bool) or m < 0):
-        raise ConfigError(f"checkpoint.every_minutes must be >= 0 or 'auto', got {m!r}")
-    cfg.checkpoint.every_minutes = m
-    if bool(cfg.checkpoint.local_dir) != bool(cfg.checkpoint.local_every_steps or cfg.checkpoint.local_every_minutes):
-        raise ConfigError("set checkpoint.local_dir and local_every_steps/_minutes together, or neither")
 
 
 def to_dict(cfg: Config) -> dict:

@@ -178,7 +178,7 @@ def _train(
     policy = SavePolicy(
         cfg.checkpoint, steps=cfg.train.steps, stop_at=stop_at, devices=jax.device_count(), restart_s=restart_s
     )
-    log = StepLog(w, flags)
+    log = StepLog(w, flags, start=start)
     # Every process stops, saves, exits or holds at the same step; a multi-process group acts agree.LAG
     # steps after the request.
     group = agree.Agreement(Shared, processes=jax.process_count(), start=start)
@@ -191,12 +191,15 @@ def _train(
         st = _set_lr_scale(w, flags, st, step)
         if w.faults.bitflip(step):
             st = _bitflip(st, step)
+        t0 = time.perf_counter()
         st, m = step_fn(st, batch)
         step += 1
-        log.dispatched(step, m, data_wait)  # emits the previous step's metrics: they are ready by now
+        log.dispatched(step, m, data_wait, time.perf_counter() - t0)  # emits the previous step's metrics
         if ev is not None and step % cfg.eval.every_steps == 0:
             log.eval_s = _eval(w, ev, st, step)
+        t0 = time.perf_counter()
         shared, save = _agree(w, flags, group, policy, step)
+        log.peer_s += time.perf_counter() - t0  # waiting on peers, if one lags: not this process's own time
         if shared.spike:
             return endings.spike_exit(w, flags)
         if shared.failed:

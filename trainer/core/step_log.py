@@ -19,7 +19,7 @@ class StepLog:
     """Each step's metrics, read one step late (by then the device has them): the `step` event, TensorBoard
     scalars every log interval, the progress line, and the monitors, whose actions go to the flags."""
 
-    def __init__(self, w: Worker, flags: Flags):
+    def __init__(self, w: Worker, flags: Flags, *, start: int):
         cfg = w.cfg
         self.w, self.flags = w, flags
         self.tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
@@ -27,14 +27,35 @@ class StepLog:
         self.peak = mesh_lib.peak_flops(cfg.log.peak_flops) * jax.device_count()
         self.progress = Progress(cfg.train.steps, cfg.log.progress and w.primary)
         self.pending = None  # (step, metrics on device, data wait s)
+        self.peer_s = 0.0  # seconds waiting on the group since the last emit: its agreement, a step call that ran it
+        # On GPUs the step call only queues the step: its time is host work (launching kernels), and a process
+        # waits on its peers when it reads the results. XLA:CPU runs most of the step inside the call (150 of
+        # 167 ms, 2 processes x 4 devices), waiting there for its peers in the collectives: device time; with
+        # one device a process runs all of it there (its results are ready when the call returns: `sync`
+        # counts those steps, whose host work can never overlap the device's).
+        self.runs_in_call = jax.default_backend() == "cpu"
+        self.sync = False
+        # What the supervisor's straggler watch compares across processes (trainer.supervise.straggler):
+        # cumulative seconds over this attempt's clean steps, in every heartbeat. Not counted: the first
+        # grace_steps steps, and grace_steps after each save or eval (their own steps are not clean either).
+        self.grace = cfg.straggler.grace_steps
+        self.quiet_until = start + self.grace
+        self.timing = dict(n=0, step_s=0.0, wait_s=0.0, data_s=0.0, dispatch_s=0.0, sync=0)
+        if cfg.straggler.enabled and jax.process_count() > 1:
+            w.heartbeat.timing = self.timing
         self.ckpt_s = 0.0  # blocking seconds of a save right after the pending step
         self.eval_s = 0.0  # seconds of an eval right after the pending step (left out of its tokens/s)
         self.t_prev = time.perf_counter()
         self.loss: float | None = None  # None: no step ran in this attempt
 
-    def dispatched(self, step: int, m, data_wait: float) -> None:
+    def dispatched(self, step: int, m, data_wait: float, dispatch_s: float) -> None:
+        """Step `step` was dispatched (its batch took `data_wait` s, the call `dispatch_s` s): emits the
+        previous step, whose interval these two belong to."""
+        if self.runs_in_call:
+            self.peer_s, dispatch_s = self.peer_s + dispatch_s, 0.0
+        self.sync = jax.tree.leaves(m)[0].is_ready()
         if self.pending:
-            self._emit(*self.pending)
+            self._emit(*self.pending, now=(data_wait, dispatch_s))
         self.pending, self.ckpt_s, self.eval_s = (step, m, data_wait), 0.0, 0.0
 
     def flush(self) -> float:
@@ -44,11 +65,14 @@ class StepLog:
         self.progress.done()
         return self.loss
 
-    def _emit(self, step: int, m, data_wait: float) -> None:
+    def _emit(self, step: int, m, data_wait: float, *, now: tuple[float, float] | None = None) -> None:
         w, ckpt_s = self.w, self.ckpt_s
+        t0 = time.perf_counter()
         m = {k: float(v) for k, v in jax.device_get(m).items()}
-        now = time.perf_counter()
-        dt, self.t_prev = now - self.t_prev, now
+        t1 = time.perf_counter()
+        dt, self.t_prev = t1 - self.t_prev, t1
+        self._time(step, dt, t1 - t0 + self.peer_s, now)
+        self.peer_s = 0.0
         tps = self.tokens_per_step / max(dt - self.eval_s, 1e-9)
         rec = dict(m, tokens_per_s=tps, step_s=dt, data_wait_s=data_wait, ckpt_block_s=ckpt_s)
         if self.eval_s:
@@ -77,3 +101,17 @@ class StepLog:
             )
         self.progress.update(step, m["loss"], tps, dt)
         self.loss = m["loss"]
+
+    def _time(self, step: int, dt: float, wait: float, now: tuple[float, float] | None) -> None:
+        """Count this interval (since the previous emit: the next batch, its dispatch, waiting for this
+        step's results) in the clean-step timing, unless a save or an eval ran in it or it is in a grace."""
+        if self.ckpt_s or self.eval_s:
+            self.quiet_until = step + self.grace
+        elif now is not None and step > self.quiet_until:
+            t = self.timing
+            t["n"] += 1
+            t["step_s"] += dt
+            t["wait_s"] += min(wait, dt)
+            t["data_s"] += now[0]
+            t["dispatch_s"] += now[1]
+            t["sync"] += self.sync

@@ -252,7 +252,8 @@ def setup(cfg: Config) -> Worker:
     node_local = None
     if cfg.checkpoint.local_dir:  # what the `node` fault deletes with the node
         node_local = checkpoint_files.local_root(cfg.checkpoint.local_dir, run_dir, node_name(jax.process_index()))
-    faults = FaultInjector(cfg.faults, run_dir, process=jax.process_index(), node_local=node_local)
+    me = jax.process_index()
+    faults = FaultInjector(cfg.faults, run_dir, process=me, node=node_name(me), node_local=node_local)
     faults.at_startup()
     w = Worker(
         cfg=cfg,
@@ -326,7 +327,19 @@ def _add_monitors(w: Worker, rb: runbook.RunbookState) -> None:
     """Dashboard: grad-norm trend, throughput drop, hardware health (ECC rising -> checkpoint now), markers;
     and the spike detector when the runbook is on."""
     cfg = w.cfg
-    w.monitors.extend(alerts.build(cfg, run_dir=w.run_dir, events=w.events, scalars=w.scalars, faults=w.faults))
+    me = jax.process_index()
+    host_events = EventLog(w.run_dir / rundir.EVENTS, tags={"process": me, "node": node_name(me)})
+    w.monitors.extend(
+        alerts.build(
+            cfg,
+            run_dir=w.run_dir,
+            events=w.events,
+            host_events=host_events,
+            scalars=w.scalars,
+            faults=w.faults,
+            primary=w.primary,
+        )
+    )
     if cfg.runbook.enabled:
         w.monitors.append(
             SpikeDetector(

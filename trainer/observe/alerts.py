@@ -25,6 +25,7 @@ from trainer.observe.event_names import (
     SKIP,
     SOFTEN,
     SPIKE_DETECTED,
+    STRAGGLER,
     WORKER_READY,
 )
 from trainer.observe.events import events_newest_first
@@ -50,6 +51,12 @@ ALERTS = {
         "checkpoint now (done automatically), then drain the node: stop at that checkpoint and restart on a "
         "spare, excluding this GPU/host",
     ),
+    "straggler": (
+        "one process spends more time on its own work each step than its peers (data, dispatch or other host "
+        "work), and in lockstep every process waits for it: the whole group runs at its pace",
+        "look at that host (its health line in `status`, its CPU, its input pipeline, a noisy neighbour); with "
+        "straggler.action=drain under SLURM with a spare, the supervisor checkpoints and restarts without it",
+    ),
     "step_overdue": (
         "no heartbeat progress for a long time: a hang (a collective waiting on a dead or stuck rank), a very "
         "slow checkpoint or a stuck input pipeline",
@@ -68,6 +75,7 @@ MARKERS = {
     SKIP: "skip",
     SOFTEN: "soften",
     RUNBOOK_GAVE_UP: "runbook_gave_up",
+    STRAGGLER: "straggler",
 }
 
 
@@ -230,13 +238,15 @@ def write_markers(run_dir: Path, scalars) -> None:
             scalars.text("markers", f"**{name}** at step {e['step']}: {extra}", e["step"])
 
 
-def build(cfg: Config, *, run_dir: Path, events, scalars, faults) -> list:
-    """The dashboard's monitors for one worker, its health collector started (log.health=false: none)."""
+def build(cfg: Config, *, run_dir: Path, events, host_events, scalars, faults, primary: bool) -> list:
+    """The dashboard's monitors for one worker, its health collector started (log.health=false: none). Every
+    process watches its own host's health (`host_events`: its events tagged with its process and node, so an
+    alert names the host); process 0 also the run's metrics (grad norm, throughput), the same on every process."""
     write_markers(run_dir, scalars)
     if not cfg.log.health:
         return []
     sources, why = health.open_sources()
-    events.write(
+    host_events.write(
         HEALTH_SOURCE,
         sources=[s.name for s in sources],
         every_s=cfg.log.health_every_s,
@@ -245,10 +255,15 @@ def build(cfg: Config, *, run_dir: Path, events, scalars, faults) -> list:
     collector = health.HealthCollector(
         every_s=cfg.log.health_every_s, sources=sources, injected_ecc=faults.ecc_errors
     ).start()
-    alerter = Alerter(events, scalars)
     ac = cfg.alerts
+    hardware = HealthMonitor(
+        Alerter(host_events, scalars), collector, every_steps=cfg.log.every_steps, ecc_rise=ac.ecc_rise
+    )
+    if not primary:
+        return [hardware]
+    alerter = Alerter(events, scalars)
     return [
         GradNormTrend(alerter, window=ac.grad_window, rise=ac.grad_rise, start_step=cfg.optim.warmup_steps),
         ThroughputDrop(alerter, window=ac.throughput_window, drop=ac.throughput_drop, sustain=ac.throughput_steps),
-        HealthMonitor(alerter, collector, every_steps=cfg.log.every_steps, ecc_rise=ac.ecc_rise),
+        hardware,
     ]

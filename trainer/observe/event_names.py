@@ -43,6 +43,9 @@ RESTART = "restart"
 NODE_SUSPECT = "node_suspect"  # a SLURM node blamed for a failure (node, reason); later steps avoid it
 NODE_RETRIED = "node_retried"  # a suspect node tried again (launch.suspect_retry_minutes passed, SLURM says it is up)
 REGROW = "regrow"  # a shrunk group saved and stopped to restart at full size on nodes that came back
+STRAGGLER = "straggler"  # one process slows the group (trainer.supervise.straggler): process, node, section
+STRAGGLER_CLEARED = "straggler_cleared"  # it keeps pace again, or its attempt ended: the seconds lost since
+STRAGGLER_DRAINED = "straggler_drained"  # straggler.action=drain: its group saved and stopped; restart without it
 GAVE_UP = "gave_up"
 REPLICA_REWIND = "replica_rewind"
 SUPERVISOR_LOST = "supervisor_lost"  # a guard (trainer.supervise.guard) requeued a job whose supervisor went silent

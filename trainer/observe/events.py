@@ -1,7 +1,9 @@
 """events.jsonl: the run's one event log (worker and supervisor append to the same file), and its readers.
 
 One JSON object per line with `event`, `time` and usually `step`, strict JSON (a NaN or infinite loss is
-null). Only process 0 of a worker group writes; the supervisor tags its own records with "by": "supervisor".
+null). Process 0 of a worker group writes the run's events; every process writes its own host's health and
+hardware alerts, tagged with its "process" and "node"; the supervisor tags its own records with "by":
+"supervisor".
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ class EventLog:
     never writes into an existing run dir. A disabled log (processes other than 0) writes nothing.
     A full disk drops events (one warning on stderr) instead of killing a run whose checkpoints still fit."""
 
-    def __init__(self, path: Path, *, enabled: bool = True, by: str | None = None, hold: bool = False):
-        self._path, self._enabled, self._by = Path(path), enabled, by
+    def __init__(
+        self, path: Path, *, enabled: bool = True, by: str | None = None, hold: bool = False, tags: dict | None = None
+    ):
+        """`tags`: fields every record carries (a host's health log: its process and node)."""
+        self._path, self._enabled, self._by, self._tags = Path(path), enabled, by, tags or {}
         self._held: list[dict] = []
         self._fh = None
         self._dropped = 0
@@ -42,6 +47,7 @@ class EventLog:
             rec["step"] = step
         if self._by:
             rec["by"] = self._by
+        rec.update(self._tags)
         rec.update(fields)
         if self._fh is None:
             self._held.append(rec)

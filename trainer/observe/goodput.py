@@ -1,8 +1,9 @@
 """Goodput ledger: where the wall-clock time of a run went, computed from its events.jsonl.
 
-Categories: productive steps, recomputed steps (work redone after a rollback), checkpoint blocking,
-initial startup, shutdown (a worker's clean exit: from its last event to the end of the session), and
-restart downtime (detection, backoff, process start, restore, compile, and work lost in the step that
+Categories: productive steps, recomputed steps (work redone after a rollback), straggler (the part of the
+steps a slow process cost the group, from the supervisor's verdicts, and a drain's restart without it),
+checkpoint blocking, initial startup, shutdown (a worker's clean exit: from its last event to the end of the
+session), and restart downtime (detection, backoff, process start, restore, compile, and work lost in the step that
 was running when a worker died; a resumed session's start counts here too). No jax here: the
 supervisor uses it.
 """
@@ -17,13 +18,16 @@ from trainer.observe.event_names import (
     RESTART,
     SESSION_STARTS,
     STEP,
+    STRAGGLER,
+    STRAGGLER_CLEARED,
+    STRAGGLER_DRAINED,
     WORKER_CLEAN_END,
     WORKER_EXIT,
     WORKER_START,
 )
 from trainer.observe.tensorboard import Writer
 
-CATEGORIES = ("productive", "recompute", "checkpoint", "startup", "shutdown", "restart")
+CATEGORIES = ("productive", "recompute", "straggler", "checkpoint", "startup", "shutdown", "restart")
 
 
 def _sessions(events: list[dict], t_end: float) -> list[tuple[float, float, list[dict]]]:
@@ -48,12 +52,13 @@ def ledger(events: list[dict], t_start: float, t_end: float) -> dict:
     secs = dict.fromkeys(CATEGORIES, 0.0)
     best = 0
     recoveries, wall = [], 0.0
+    slowed = 0.0  # step seconds a straggler cost the group: moved from productive to straggler at the end
     sessions = _sessions(events, t_end)
     for i, (s0, s1, evs) in enumerate(sessions):
         if i == len(sessions) - 1:
             s1 = max(s1, t_end)
         wall += s1 - s0
-        first_step_t, fail_t, last_step_t, clean_end_t = None, None, None, None
+        first_step_t, fail_t, last_step_t, clean_end_t, drained_t = None, None, None, None, None
         for e in evs:
             kind = e["event"]
             if kind in WORKER_CLEAN_END and "by" not in e:
@@ -74,6 +79,13 @@ def ledger(events: list[dict], t_start: float, t_end: float) -> dict:
                 if fail_t is not None:
                     recoveries.append(e["time"] - fail_t)
                     fail_t = None
+                if drained_t is not None:  # a drain's cost: from its group's exit to the first step without it
+                    secs["straggler"] += max(e["time"] - e["step_s"] - drained_t, 0.0)
+                    drained_t = None
+            elif kind in (STRAGGLER, STRAGGLER_CLEARED):
+                slowed += e.get("lost_s", 0.0)
+            elif kind == STRAGGLER_DRAINED:
+                drained_t = e["time"]
             elif kind == WORKER_EXIT and e.get("exit_code", 1) not in (0, 75):
                 fail_t = e["time"]
             elif kind == HANG_DETECTED:
@@ -82,6 +94,9 @@ def ledger(events: list[dict], t_start: float, t_end: float) -> dict:
             secs["startup"] += first_step_t - s0
         if clean_end_t is not None:  # the worker exiting (interpreter and runtime teardown), the final ledger
             secs["shutdown"] += s1 - clean_end_t
+    moved = min(slowed, secs["productive"])
+    secs["productive"] -= moved
+    secs["straggler"] += moved
     accounted = sum(v for k, v in secs.items() if k != "restart")
     secs["restart"] = max(wall - accounted, 0.0)
     total = sum(secs.values()) or 1.0

@@ -41,7 +41,8 @@ class HostSource:
 
 
 class NvmlSource:
-    """Per-GPU temperature, power, memory, ECC counts, throttle reasons and Xid events through NVML."""
+    """Per-GPU temperature, power, SM clock, memory, ECC counts, throttle reasons and Xid events through NVML
+    (the calls are checked against the installed nvidia-ml-py: tests/test_dashboard.py)."""
 
     name = "nvml"
 
@@ -96,6 +97,7 @@ class NvmlSource:
         probes = {
             "temp_c": lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),
             "power_w": lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000.0,
+            "sm_clock_mhz": lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),  # falls when throttled
             "mem_used_gb": lambda: nv.nvmlDeviceGetMemoryInfo(h).used / GB,
             "util_percent": lambda: nv.nvmlDeviceGetUtilizationRates(h).gpu,
             "ecc_corrected": lambda: nv.nvmlDeviceGetTotalEccErrors(

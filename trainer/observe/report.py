@@ -31,6 +31,7 @@ from trainer.observe.event_names import (
     SOFTEN,
     SPIKE_DETECTED,
     STEP,
+    STRAGGLER,
 )
 
 # event -> (label, colour, line style) of the vertical markers drawn on the series plots
@@ -44,10 +45,12 @@ MARKER_STYLE = {
     RUNBOOK_GAVE_UP: ("runbook gave up", "black", "-"),
     CHECKPOINT_NOW: ("checkpoint now", "black", ":"),
     RESTORE: ("resumed from checkpoint", "tab:green", ":"),
+    STRAGGLER: ("straggler", "tab:olive", "-."),
 }
 GOODPUT_COLOURS = {
     "productive": "tab:green",
     "recompute": "tab:orange",
+    "straggler": "tab:brown",
     "checkpoint": "tab:blue",
     "startup": "tab:gray",
     "shutdown": "silver",

@@ -122,15 +122,16 @@ def overdue_limit(v: RunView, phase: str) -> float:
 
 
 def open_alerts(events: list[dict]) -> list[dict]:
-    """Alerts raised in the current attempt and not cleared since (a restart closes the old ones)."""
-    opened: dict[str, dict] = {}
+    """Alerts raised in the current attempt and not cleared since (a restart closes the old ones); a host's
+    hardware alert is its own (its "process")."""
+    opened: dict[tuple, dict] = {}
     for e in events:
         if e["event"] in (*ATTEMPT_STARTS, WORKER_START):
             opened = {}
         elif e["event"] == ALERT:
-            opened[e["kind"]] = e
+            opened[e["kind"], e.get("process")] = e
         elif e["event"] == ALERT_CLEARED:
-            opened.pop(e["kind"], None)
+            opened.pop((e["kind"], e.get("process")), None)
     return list(opened.values())
 
 

@@ -11,7 +11,7 @@ import statistics
 import sys
 
 from trainer.config import ConfigError
-from trainer.observe import goodput, rundir
+from trainer.observe import goodput, health, rundir
 from trainer.observe.event_names import ALERT, CHECKPOINT_SAVED, HEALTH, RESTART, REWIND, RUNBOOK_EVENTS
 from trainer.observe.progress import fmt_duration, fmt_loss
 from trainer.observe.runview import RunView, latest_evals, ledger_now, load, open_alerts, overdue_limit, run_state
@@ -128,7 +128,8 @@ def _alert_lines(v: RunView, live: bool) -> list[str]:
     n_all = sum(e["event"] == ALERT for e in v.events)
     out = [f"alerts    {len(alerts)} open, {n_all} raised in total" + (":" if alerts else "")]
     for a in alerts:
-        out.append(f"  ! step {a.get('step')} {a['kind']}: {a.get('detail', '')}")
+        host = f" on {a['node']} (process {a['process']})" if "process" in a else ""
+        out.append(f"  ! step {a.get('step')} {a['kind']}{host}: {a.get('detail', '')}")
         out.append(f"    runbook: {a.get('runbook', '')}")
     hb = v.heartbeat
     if (
@@ -142,10 +143,22 @@ def _alert_lines(v: RunView, live: bool) -> list[str]:
     return out
 
 
-def _health_line(v: RunView) -> str:
-    last = next((e for e in reversed(v.events) if e["event"] == HEALTH), None)
-    if last is None:
-        return "health    no samples (log.health=false or not started)"
+def _health_lines(v: RunView) -> list[str]:
+    """One line per host: its latest sample, and its ECC errors since its first sample of the run."""
+    latest: dict = {}
+    first: dict = {}
+    for e in v.events:
+        if e["event"] == HEALTH:
+            latest[e.get("process")] = e
+            first.setdefault(e.get("process"), e)
+    if not latest:
+        return ["health    no samples (log.health=false or not started)"]
+    return [_health_line(latest[p], first[p]) for p in sorted(latest, key=lambda p: (p is not None, p))]
+
+
+def _health_line(last: dict, first: dict) -> str:
+    host = f"{last['node']}: " if "node" in last else ""
+    ecc = health.ecc_total(last) - health.ecc_total(first)
     parts = []
     for dev, r in last["devices"].items():
         keys = (
@@ -163,7 +176,7 @@ def _health_line(v: RunView) -> str:
         )
         parts.append(dev + " " + " ".join(f"{k}={r[k]:.3g}" for k in keys if k in r))
     return (
-        f"health    (step {last.get('step')}) "
+        f"health    {host}(step {last.get('step')}{f', ECC +{ecc:.0f}' if ecc else ''}) "
         + "; ".join(parts[:4])
         + (f" (+{len(parts) - 4} more)" if len(parts) > 4 else "")
     )
@@ -182,7 +195,7 @@ def render(v: RunView) -> str:
         *_eval_line(v),
         *_ops_lines(v, live),
         *_alert_lines(v, live),
-        _health_line(v),
+        *_health_lines(v),
         *(f"note      {p}" for p in v.problems),
     ]
     return "\n".join(lines)

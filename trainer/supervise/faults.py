@@ -3,7 +3,7 @@
 Each fault fires at most once per run: it is recorded in the run dir (fsynced) before it fires, so
 the restart it causes does not trigger it again. A fault fires on one process (`process`, 0 unless set);
 nan, spike and bitflip change the train state, so every process applies them and their process records
-them. The kinds and phases a config may name are declared with the config (trainer.config.FAULT_KINDS,
+them. The kinds and phases a config may name are declared with the config rules (trainer.config_rules.FAULT_KINDS,
 FAULT_PHASES).
 """
 
@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -29,15 +31,21 @@ CRASH_EXIT = 13
 
 
 class FaultInjector:
-    def __init__(self, faults: list[Fault], run_dir: Path, *, process: int = 0, node_local: Path | None = None):
-        """`process`: this process's index; `node_local`: what the `node` fault deletes with its node (this
-        run's part of the node-local tier)."""
+    def __init__(
+        self, faults: list[Fault], run_dir: Path, *, process: int = 0, node: str = "", node_local: Path | None = None
+    ):
+        """`process`: this process's index; `node`: the node it runs on (a fault with a `node` fires on
+        whichever process runs there); `node_local`: what the `node` fault deletes with its node (this run's
+        part of the node-local tier)."""
         self._all = list(enumerate(faults))
-        self._faults = [(i, f) for i, f in self._all if f.process == process]
+        self._faults = [(i, f) for i, f in self._all if (f.node == node if f.node else f.process == process)]
         self.process, self.node_local = process, node_local
         self._path = Path(run_dir) / rundir.FAULTS_FIRED
         self._fired = self._read()
         self._ecc_from: dict[int, tuple[int, int]] = {}  # id(fault) -> (first step, errors per step)
+        self._hog: _Hog | None = None  # the hog fault's thread, while it runs
+        self._step_t: list[float] = []  # when the latest steps began (a slow fault's step_multiple reads them)
+        self._slow_s: dict[int, float] = {}  # id(fault) -> its sleep, fixed when it first fires
 
     def _pending(self, kind: str, step: int, *, open_ended: bool = False, phase: str = "step") -> Fault | None:
         for i, f in self._faults:
@@ -50,7 +58,7 @@ class FaultInjector:
         return set(json.loads(self._path.read_text())) if self._path.is_file() else set()
 
     def _record(self, fault: Fault) -> None:
-        if fault.repeat:
+        if fault.repeat or fault.node:  # a node's fault is the node's: it fires on every attempt that runs there
             return
         self._fired.add(next(i for i, f in self._all if f is fault))
         if fault.process != self.process:
@@ -71,10 +79,12 @@ class FaultInjector:
         if (f := self._pending("ecc", step, open_ended=True)) and id(f) not in self._ecc_from:
             self._record(f)
             self._ecc_from[id(f)] = (step, max(f.count, 1))
+        self._step_t = [*self._step_t[-5:], time.perf_counter()]
         if f := self._pending("slow", step):
             if step == f.step + max(f.count, 1) - 1:
                 self._record(f)
-            time.sleep(f.seconds)
+            time.sleep(self._slow_seconds(f))
+        self._hog_at(step)
         if f := self._pending("crash", step):
             self._record(f)
             os._exit(CRASH_EXIT)
@@ -85,6 +95,34 @@ class FaultInjector:
             self._record(f)
             lose_node.now(self.node_local)
         self._hang_or_slow("step", step)
+
+    def _slow_seconds(self, f: Fault) -> float:
+        """A slow fault's sleep: `seconds`, or `step_multiple` times the median of the steps just before it
+        first fired (the same slowdown on a fast or a slow machine)."""
+        if not f.step_multiple:
+            return f.seconds
+        if id(f) not in self._slow_s:
+            gaps = [b - a for a, b in zip(self._step_t, self._step_t[1:])]
+            self._slow_s[id(f)] = f.step_multiple * statistics.median(gaps) if gaps else f.seconds
+        return self._slow_s[id(f)]
+
+    def _hog_at(self, step: int) -> None:
+        """The hog fault: from its step, for `count` steps, a thread of this process burns CPU in Python,
+        holding the GIL but at the interpreter's switch points: the training thread's host work (data,
+        dispatch, bookkeeping) slows, as with a noisy neighbour or a runaway callback, without a sleep in the
+        step. `seconds` > 0: a burst of that many seconds at each step; 0: all the time."""
+        f = self._pending("hog", step)
+        if f is not None and self._hog is None:
+            self._hog = _Hog(f.seconds)
+            print(f"worker: fault hog from step {step} for {max(f.count, 1)} steps", flush=True)
+        if f is not None:
+            self._hog.go.set()
+            if step == f.step + max(f.count, 1) - 1:
+                self._record(f)
+        elif self._hog is not None:
+            self._hog.stop = True
+            self._hog.go.set()
+            self._hog = None
 
     def in_phase(self, phase: str, step: int) -> None:
         """Called right after the worker's heartbeat says it entered `phase` (startup, restore, compile,
@@ -141,3 +179,18 @@ class FaultInjector:
         if f := self._pending("crash_mid_save", step, open_ended=True):
             self._record(f)
             os._exit(CRASH_EXIT)
+
+
+class _Hog:
+    def __init__(self, burst_s: float):
+        self.burst_s, self.stop, self.go = burst_s, False, threading.Event()
+        threading.Thread(target=self._run, name="hog", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self.stop:
+            self.go.wait()
+            if self.burst_s:
+                self.go.clear()
+            end = time.perf_counter() + (self.burst_s or 0.05)
+            while time.perf_counter() < end:
+                sum(i * i for i in range(1000))

@@ -7,6 +7,8 @@ trainer.supervise.launcher. Never imports jax.
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
 import signal
 import subprocess
 import threading
@@ -36,13 +38,20 @@ def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def spawn(argv: list[str], env: Mapping[str, str]) -> subprocess.Popen:
+def _child_setup(cpus: tuple[int, ...]) -> None:
+    die_with_parent()
+    if cpus:  # before exec: every thread the worker starts (XLA's pools too) inherits it
+        os.sched_setaffinity(0, cpus)
+
+
+def spawn(argv: list[str], env: Mapping[str, str], cpus: tuple[int, ...] = ()) -> subprocess.Popen:
+    """A worker process tied to the supervisor's life; `cpus`: the only CPUs it may run on (none: any)."""
     return subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=dict(env),
-        preexec_fn=die_with_parent,
+        preexec_fn=functools.partial(_child_setup, tuple(cpus)),
         start_new_session=True,
     )
 

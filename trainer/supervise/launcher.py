@@ -37,14 +37,21 @@ from trainer.supervise.nodes import (
 class LocalGroup(Group):
     """N worker processes on this machine; process 0 hosts the jax coordinator on a local port."""
 
-    def __init__(self, argv: list[str], env: Mapping[str, str], *, processes: int, port: int, grace_s: float):
+    def __init__(
+        self, argv: list[str], env: Mapping[str, str], *, processes: int, port: int, grace_s: float, cpus: int = 0
+    ):
+        """`cpus` > 0: process i runs on its own `cpus` CPUs of this machine (round robin), as on its own host."""
         self.processes, self.nodes, self.launch_id = processes, [], uuid.uuid4().hex[:12]
         self._grace_s = grace_s
         base = dict(env, **{env_vars.LAUNCH_ID: self.launch_id})
         if processes > 1:
             base.update({env_vars.NUM_PROCESSES: str(processes), env_vars.COORDINATOR: f"127.0.0.1:{port}"})
         self.procs = [
-            spawn(argv, dict(base, **({env_vars.PROCESS_ID: str(i)} if processes > 1 else {})))
+            spawn(
+                argv,
+                dict(base, **({env_vars.PROCESS_ID: str(i)} if processes > 1 else {})),
+                cpus=tuple((i * cpus + j) % os.cpu_count() for j in range(cpus)),
+            )
             for i in range(processes)
         ]
         self.pid = self.procs[0].pid
@@ -278,7 +285,14 @@ class Launcher:
         env = dict(env, **{env_vars.ATTEMPT: str(attempt)})
         if self.cfg.mode == "local":
             port = self.cfg.coordinator_port + attempt if self.cfg.coordinator_port else free_port()
-            self._last = LocalGroup(argv, env, processes=self.cfg.processes, port=port, grace_s=self.cfg.exit_grace_s)
+            self._last = LocalGroup(
+                argv,
+                env,
+                processes=self.cfg.processes,
+                port=port,
+                grace_s=self.cfg.exit_grace_s,
+                cpus=self.cfg.cpus_per_process,
+            )
             return self._last
         self.new_suspects = []
         if isinstance(self._last, SrunGroup):
@@ -301,11 +315,13 @@ class Launcher:
         self._last = SrunGroup(cmd, env, processes=n, nodes=nodes, launch_id=launch_id, job_id=self.job)
         return self._last
 
-    def _plan(self, down: set[str]) -> tuple[list[str], int, set[str]]:
-        """plan_nodes avoiding the suspects, but those launch.suspect_retry_minutes old that SLURM says are up;
-        and the set avoided (plan_nodes may still fall back on it: a lost process is not a lost node)."""
+    def _plan(self, down: set[str], also: set[str] = frozenset()) -> tuple[list[str], int, set[str]]:
+        """plan_nodes avoiding the suspects, but those launch.suspect_retry_minutes old that SLURM says are up,
+        and `also`; and the set avoided (plan_nodes may still fall back on it: a lost process is not a lost
+        node)."""
         retry_s, now = 60 * self.cfg.suspect_retry_minutes, time.time()
         avoid = {n for n, s in self.suspects.items() if not retry_s or now - s["time"] < retry_s or n in down}
+        avoid |= also
         c = self.cfg
         return (
             *plan_nodes(
@@ -339,6 +355,14 @@ class Launcher:
             and bool(self.cfg.suspect_retry_minutes)
             and self._plan(set(down_nodes(self.allocated)))[1] == self.cfg.processes
         )
+
+    def drain_plan(self, node: str) -> int:
+        """Processes the next attempt would run without `node` (a spare in its place, or a shrink that
+        launch.min_processes allows); 0 when it cannot run without it (local mode, no spare, no shrink)."""
+        if self.cfg.mode != "slurm" or not node:
+            return 0
+        nodes, n, _ = self._plan(set(down_nodes(self.allocated)), also={node})
+        return 0 if node in nodes else n
 
     def describe(self) -> dict:
         """For the worker_start event: where this attempt runs, and which nodes it avoided."""

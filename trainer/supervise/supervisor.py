@@ -31,13 +31,13 @@ from trainer.observe.event_names import (
     REGROW,
     RESTART,
     RUN_COMPLETE,
-    STACKS_DUMPED,
+    STRAGGLER_DRAINED,
     SUPERVISOR_START,
     WORKER_EXIT,
     WORKER_START,
 )
 from trainer.observe.events import EventLog, read_events
-from trainer.supervise import exit_codes, group, launcher, replica_rewind, runbook
+from trainer.supervise import exit_codes, group, hang, launcher, replica_rewind, runbook, straggler
 from trainer.supervise.noise import is_library_noise
 
 
@@ -48,6 +48,8 @@ class Attempt:
     started: float
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=30))
     hang: bool = False
+    stragglers: straggler.StragglerWatch | None = None  # with more than one process
+    drain: straggler.Verdict | None = None  # straggler.action=drain asked the group to save and stop
 
 
 # How often a shrunk group checks whether it can regrow (launch.suspect_retry_minutes).
@@ -78,6 +80,8 @@ class Supervisor:
         for node in self.launcher.retried:
             self.events.write(NODE_RETRIED, step=_last_step(self.run_dir), node=node)
         att = Attempt(number, proc, time.time())
+        if self.cfg.straggler.enabled and proc.processes > 1:
+            att.stragglers = straggler.StragglerWatch(self.cfg.straggler, proc.processes)
         threading.Thread(target=self._pump, args=(att, log_dir), daemon=True).start()
         self.events.write(WORKER_START, pid=proc.pid, attempt=number, **self.launcher.describe())
         return att
@@ -127,7 +131,7 @@ class Supervisor:
         self._warn_overdue(att, phase, since, silent, step)
         if silent <= self._timeout(phase):
             return False
-        culprit, node, why = self._hung_on(att, beats)
+        culprit, node, why = hang.hung_on(self.run_dir, att.proc, beats, self._heartbeats(att))
         self.events.open()
         self.events.write(
             HANG_DETECTED,
@@ -142,26 +146,10 @@ class Supervisor:
         )
         if node:
             att.proc.blame_node(node, why)
-        self._dump_stacks(att)
+        hang.dump_stacks(self.run_dir, att.proc, self._heartbeats(att), self.events.write)
         att.hang = True
         att.proc.send_signal(signal.SIGKILL)
         return True
-
-    def _hung_on(self, att: Attempt, beats: list) -> tuple[int, str, str]:
-        """(process, node, why) the hang points at. A frozen process (SIGSTOP, a node gone silent) stops
-        pulsing while its peers, blocked in a collective waiting for it, still pulse; when all pulse (a stuck
-        kernel), the process furthest behind: lowest step, then oldest beat."""
-        now, hbs = time.time(), self._heartbeats(att)
-        pulses = [heartbeat.read_pulse(self.run_dir, i, att.proc.launch_id) for i in range(att.proc.processes)]
-        frozen = [i for i, p in enumerate(pulses) if p is None or now - p["time"] > heartbeat.PULSE_STALE_S]
-        if frozen and len(frozen) < len(pulses):
-            i = frozen[0]
-            age = f"{now - pulses[i]['time']:.0f} s" if pulses[i] else "ever"
-            why = f"its process {i} froze (no sign of life for {age}) while its peers waited for it"
-        else:
-            i = min(beats, key=lambda b: (b[2] if b[2] is not None else -1, b[1]))[3]
-            why = f"its process {i} was furthest behind when the group hung ({beats[i][0]}, step {beats[i][2]})"
-        return i, (hbs[i] or {}).get("node", ""), why
 
     def _warn_overdue(self, att: Attempt, phase: str, since: float, silent: float, step) -> None:
         """ "No step completed for too long": an alert while there is still time to look, well before the
@@ -185,24 +173,6 @@ class Supervisor:
             self.overdue = None
             self.events.write(ALERT_CLEARED, step=step, kind="step_overdue", detail=f"heartbeat moved ({phase})")
 
-    def _dump_stacks(self, att: Attempt) -> None:
-        """The workers registered faulthandler on SIGUSR1: ask every process for its Python stacks before
-        the kill (under SLURM their pids are known only from their heartbeats)."""
-        pids = att.proc.worker_pids() or [hb["pid"] for hb in self._heartbeats(att) if hb]
-        att.proc.send_signal(signal.SIGUSR1)
-        files = [rundir.stack_file(self.run_dir, pid) for pid in pids]
-        sizes: dict = {}
-
-        def written(f) -> bool:  # and no longer growing: faulthandler writes one thread after another
-            prev, sizes[f] = sizes.get(f), (f.stat().st_size if f.is_file() else 0)
-            return sizes[f] > 0 and sizes[f] == prev
-
-        deadline = time.time() + 3
-        while time.time() < deadline and not all(map(written, files)):
-            time.sleep(0.1)
-        for f in filter(lambda f: sizes.get(f), files):
-            self.events.write(STACKS_DUMPED, path=str(f))
-
     def _wait(self, att: Attempt) -> int:
         """Block until the worker exits; returns its code (negative = killed by that signal)."""
         while True:
@@ -221,7 +191,27 @@ class Supervisor:
                 self.stop_signal = -1  # forwarded once; now wait for the save
             if self.accepted and self._check_hang(att):
                 return att.proc.wait()
+            self._watch_stragglers(att)
             self._maybe_regrow(att)
+
+    def _watch_stragglers(self, att: Attempt) -> None:
+        """The straggler verdicts from the heartbeats' timing: an event and an alert naming the process and its
+        node; with straggler.action=drain and somewhere to run without that node, a save-and-stop (as on a
+        preemption) and a restart that excludes it."""
+        if att.stragglers is None or not self.accepted or att.drain is not None:
+            return
+        step = _last_step(self.run_dir)
+        for what, v in att.stragglers.observe(self._heartbeats(att), att.proc.launch_id):
+            straggler.report(what, v, self.events.write, step)
+            if what != "straggler" or self.cfg.straggler.action != "drain":
+                continue
+            if not (n := self.launcher.drain_plan(v.node)):
+                print("supervisor: straggler.action=drain, but nowhere to run without it: alert only", file=sys.stderr)
+                continue
+            print(f"supervisor: draining {v.node}: saving, restarting on {n} processes without it", file=sys.stderr)
+            att.drain = v
+            att.proc.blame_node(v.node, f"straggler: {straggler.describe(v)}")
+            att.proc.send_signal(signal.SIGTERM)
 
     def _maybe_regrow(self, att: Attempt) -> None:
         """A shrunk group whose lost capacity is back is asked to save and stop (as on a preemption), then
@@ -264,8 +254,13 @@ class Supervisor:
                 return exit_codes.CONFIG
             self.events.open()
             self.accepted = True
+            if att.stragglers is not None and (v := att.stragglers.end()):  # the seconds lost since its verdict
+                straggler.report("cleared", v, self.events.write, step)
             if code == exit_codes.OK:
                 return self._complete(t0, restarts)
+            if code == exit_codes.PREEMPTED and att.drain is not None and self.stop_signal is None:
+                self.events.write(STRAGGLER_DRAINED, step=step, process=att.drain.process, node=att.drain.node)
+                continue
             if code == exit_codes.PREEMPTED and self.regrow and self.stop_signal is None:
                 self.regrow = False
                 self.events.write(REGROW, step=step, processes=att.proc.processes, to=self.cfg.launch.processes)

@@ -1,0 +1,193 @@
+"""Which process is slow: the supervisor's straggler verdict, from the timing every worker puts in its
+heartbeat. No jax here.
+
+In lockstep training every process's step takes the same wall time T: the collectives wait for the slowest.
+Each worker reports, over its clean steps, its wait (blocked on the device and the group: reading a step's
+results, the agreement, and on XLA:CPU the step call itself) and its own time (the rest: data, dispatch,
+other host work). A host that keeps up queues the next step and then waits on its device; the host the
+group waits for never does: its wait falls to nothing while its own time fills the step. So a straggler is
+a process that is host-bound (wait under CRITICAL of T, or its steps run inside the step call, as XLA:CPU
+runs a one-device process's: then no host work overlaps its device) with more own time than its peers'
+median, accounting for at least half of what the group lost, and the group's step is slower than in its
+last calm windows by `straggler.factor`. A slower host
+that still keeps ahead of its device costs nothing (its wait absorbs it) and is no straggler: measured on
+the CPU test mode (4 devices a process, each process on its own core), a process sleeping 250 ms a step
+beside a 380 ms device step left T unchanged, its wait 124 ms; 500 ms made T 510 ms, its wait 11 ms. On
+GPUs the step call only queues kernels and the wait is in reading results; the rule is the same.
+
+Only clean steps count (no save, eval or restore near them: the worker leaves out `straggler.grace_steps`
+steps after each), and a verdict needs `straggler.windows` consecutive windows of `window_steps` clean steps
+on every process: a recompile or a one-off pause never makes one.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from trainer.config import StragglerConfig
+from trainer.observe.alerts import ALERTS
+from trainer.observe.event_names import ALERT, ALERT_CLEARED, STRAGGLER, STRAGGLER_CLEARED
+
+CRITICAL = 0.1  # a process waiting less than this part of the step is the one its peers wait for
+EXPLAINS = 0.5  # ... and its excess own time must account for at least this part of what the group lost
+SECTIONS = ("data", "dispatch", "host")  # where a straggler's own time goes (host: the rest of it)
+_KEYS = ("n", "step_s", "wait_s", "data_s", "dispatch_s", "sync")
+
+
+@dataclass
+class Verdict:
+    process: int
+    node: str
+    section: str  # one of SECTIONS: where its excess time goes
+    slowdown: float  # the group's step time over its last calm windows' (or, with none, over step - excess)
+    excess_s: float  # seconds per step of its own work beyond its peers' median
+    steps: int  # clean steps measured in the windows behind the verdict
+    lost_s: float  # group seconds lost to it so far: (step - calm step) x steps
+    detail: str = ""
+
+
+@dataclass
+class _Window:
+    """Per-process means over one window of clean steps."""
+
+    step_s: list[float]
+    wait: list[float]  # a process's time per step blocked on its device and its peers
+    sync: list[bool]  # its steps ran inside the step call (results ready on return): its host work never overlaps
+    own: list[float]  # a process's own time per step: all but waiting on the others
+    sections: dict[str, list[float]]  # the own time split: data, dispatch, host (the rest)
+    steps: int
+
+
+@dataclass
+class StragglerWatch:
+    cfg: StragglerConfig
+    processes: int
+    launch: str = ""
+    _base: list[dict] | None = None
+    _streak: dict = field(default_factory=dict)  # process -> (consecutive candidate windows, lost s, steps)
+    open: Verdict | None = None  # the verdict standing now
+    _calm: int = 0  # consecutive windows without the open verdict's process as a candidate
+    lost_s: float = 0.0  # lost to the open verdict's process since it was declared
+    calm: list[float] = field(default_factory=list)  # the group's step time in the latest windows without a candidate
+
+    def observe(self, heartbeats: list[dict | None], launch: str) -> list[tuple[str, Verdict]]:
+        """Feed the latest heartbeats of attempt `launch`; returns what changed: ("straggler", verdict) when
+        one is declared, ("cleared", verdict) when its process is no slower any more."""
+        if launch != self.launch:  # a new attempt: its counters start over (the standing verdict is ended by end())
+            self.launch, self._base, self._streak = launch, None, {}
+        timings = [(hb or {}).get("timing") for hb in heartbeats]
+        if len(timings) != self.processes or not all(isinstance(t, dict) for t in timings):
+            return []
+        now = [{k: float(t.get(k, 0.0)) for k in _KEYS} for t in timings]
+        if self._base is None or any(c["n"] < b["n"] for c, b in zip(now, self._base)):
+            self._base = now
+            return []
+        steps = min(c["n"] - b["n"] for c, b in zip(now, self._base))
+        if steps < self.cfg.window_steps:
+            return []
+        window = _window(now, self._base)
+        self._base = now
+        nodes = [(hb or {}).get("node", "") for hb in heartbeats]
+        return self._judge(window, nodes)
+
+    def _judge(self, w: _Window, nodes: list[str]) -> list[tuple[str, Verdict]]:
+        out = []
+        found = {p: v for p in range(self.processes) if (v := self._candidate(w, p, nodes[p])) is not None}
+        if not found:
+            self.calm = [*self.calm, statistics.median(w.step_s)][-self.cfg.windows :]
+        for p in list(self._streak):
+            if p not in found:
+                del self._streak[p]
+        for p, v in found.items():
+            n, lost, steps = self._streak.get(p, (0, 0.0, 0))
+            self._streak[p] = (n + 1, lost + v.lost_s, steps + v.steps)
+        if self.open is not None:
+            if self.open.process in found:
+                self._calm = 0
+                self.lost_s += found[self.open.process].lost_s
+            else:
+                self._calm += 1
+                if self._calm >= self.cfg.windows:
+                    out.append(("cleared", self._close()))
+        if self.open is None and found:
+            p = max(found, key=lambda q: found[q].slowdown)
+            n, lost, steps = self._streak[p]
+            if n >= self.cfg.windows:
+                v = found[p]
+                v.lost_s, v.steps = lost, steps
+                self.open, self._calm, self.lost_s = v, 0, 0.0
+                out.append(("straggler", v))
+        return out
+
+    def _candidate(self, w: _Window, p: int, node: str) -> Verdict | None:
+        """Process p's verdict for this window: host-bound, more own time than its peers' median (with 3 or
+        more peers, also by more than mad_k times their spread), and the group slower by the factor."""
+        others = [q for q in range(self.processes) if q != p]
+        step = statistics.median(w.step_s)
+        if not others or (w.wait[p] > CRITICAL * step and not w.sync[p]):
+            return None
+        ref = statistics.median(w.own[q] for q in others)
+        excess = w.own[p] - ref
+        if excess <= 0:
+            return None
+        if len(others) >= 3 and excess <= self.cfg.mad_k * statistics.median(abs(w.own[q] - ref) for q in others):
+            return None
+        calm = statistics.median(self.calm) if self.calm else max(step - excess, 1e-3 * step)
+        slowdown = step / calm
+        if slowdown < self.cfg.factor or excess < EXPLAINS * (step - calm):  # slower, but not by its own work
+            return None
+
+        def section_excess(s: str) -> float:
+            return w.sections[s][p] - statistics.median(w.sections[s][q] for q in others)
+
+        section = max(SECTIONS, key=section_excess)
+        detail = ", ".join(f"{s} {section_excess(s) * 1e3:+.1f} ms" for s in SECTIONS)
+        detail += f"; step {step * 1e3:.0f} ms, {'calm' if self.calm else 'without its excess'} {calm * 1e3:.0f} ms"
+        return Verdict(p, node, section, slowdown, excess, w.steps, (step - calm) * w.steps, detail)
+
+    def _close(self) -> Verdict:
+        v, self.open, self._calm = self.open, None, 0
+        v.lost_s, self.lost_s = self.lost_s, 0.0
+        return v
+
+    def end(self) -> Verdict | None:
+        """The attempt ended (or its straggler is being drained): the standing verdict, with the seconds lost
+        since it was declared, to close in the ledger."""
+        return self._close() if self.open is not None else None
+
+
+def _window(now: list[dict], base: list[dict]) -> _Window:
+    d = [{k: c[k] - b[k] for k in _KEYS} for c, b in zip(now, base)]
+    wait = [x["wait_s"] / x["n"] for x in d]
+    own = [x["step_s"] / x["n"] - v for x, v in zip(d, wait)]
+    sections = {"data": [x["data_s"] / x["n"] for x in d], "dispatch": [x["dispatch_s"] / x["n"] for x in d]}
+    sections["host"] = [o - a - b for o, a, b in zip(own, sections["data"], sections["dispatch"])]
+    sync = [x["sync"] >= x["n"] / 2 for x in d]
+    return _Window([x["step_s"] / x["n"] for x in d], wait, sync, own, sections, int(min(x["n"] for x in d)))
+
+
+def describe(v: Verdict) -> str:
+    """One line for the event, the alert and the supervisor's output."""
+    where = f" on node {v.node}" if v.node else ""
+    return (
+        f"process {v.process}{where} slows every step {v.slowdown:.2f}x: the group waits for it, "
+        f"{v.excess_s * 1e3:.0f} ms a step of its own work beyond its peers' median, most in {v.section} "
+        f"({v.detail}), over {v.steps} clean steps"
+    )
+
+
+def report(what: str, v: Verdict, write: Callable, step: int | None) -> None:
+    """A verdict ("straggler": its event, an alert and a line on stderr) or its end ("cleared": the seconds
+    lost since the verdict, and the alert cleared), into the run's events."""
+    if what == "cleared":
+        write(STRAGGLER_CLEARED, step=step, process=v.process, node=v.node, lost_s=v.lost_s)
+        write(ALERT_CLEARED, step=step, kind="straggler", detail=f"process {v.process}: verdict ended")
+        return
+    detail = describe(v)
+    meaning, action = ALERTS["straggler"]
+    write(STRAGGLER, step=step, **asdict(v))
+    write(ALERT, step=step, kind="straggler", detail=detail, meaning=meaning, runbook=action)
+    print(f"supervisor: straggler: {detail}", file=sys.stderr)
