@@ -62,7 +62,10 @@ def test_a_slower_host_that_keeps_ahead_of_its_device_is_no_straggler():
     g, w = Group(2), StragglerWatch(CFG, 2)
     w.observe(g.run(20, [0.01, 0.01]), "a")
     for _ in range(4):  # 80 ms more host work a step, hidden behind the 100 ms device step: nothing lost
-        assert w.observe(g.run(20, [0.01, 0.09]), "a") == []
+        assert w.observe(g.run(20, [0.01, 0.09]), "a") == [], "named a process that keeps ahead of its device"
+    g.device = 0.2  # the devices slow down for everyone; process 1's 150 ms of host work still hides behind them
+    for _ in range(3):
+        assert w.observe(g.run(20, [0.01, 0.15]), "a") == [], "named a process that keeps ahead of its device"
 
 
 def test_a_process_whose_steps_run_in_the_call_is_judged_by_its_own_time():
