@@ -232,6 +232,7 @@ HEAVY_FIRST = (
     "test_model",
     "test_eval",
     "test_llama",
+    "test_straggler",
     "test_config",
     "test_slurm_job",
 )
