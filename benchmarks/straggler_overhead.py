@@ -50,6 +50,7 @@ def _pair(work: Path, cache: Path, warmup: int, n: int, slice_s: float) -> dict:
             slice_s,
             until=lambda: all(_window_done(d, warmup + n) for d in runs.values()),
             broken=lambda: any(p.popen.poll() is not None for p in procs.values()),
+            swap=True,
         )
         for p in procs.values():
             _signal(_tree(p), signal.SIGCONT)  # both finish on their own
