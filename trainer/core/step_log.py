@@ -41,7 +41,8 @@ class StepLog:
         self.grace = cfg.straggler.grace_steps
         self.quiet_until = start + self.grace
         self.timing = dict(n=0, step_s=0.0, wait_s=0.0, data_s=0.0, dispatch_s=0.0, sync=0)
-        if cfg.straggler.enabled and jax.process_count() > 1:
+        self.timed = cfg.straggler.enabled and jax.process_count() > 1  # no one reads it otherwise
+        if self.timed:
             w.heartbeat.timing = self.timing
         self.ckpt_s = 0.0  # blocking seconds of a save right after the pending step
         self.eval_s = 0.0  # seconds of an eval right after the pending step (left out of its tokens/s)
@@ -53,7 +54,7 @@ class StepLog:
         previous step, whose interval these two belong to."""
         if self.runs_in_call:
             self.peer_s, dispatch_s = self.peer_s + dispatch_s, 0.0
-        self.sync = jax.tree.leaves(m)[0].is_ready()
+        self.sync = self.timed and jax.tree.leaves(m)[0].is_ready()
         if self.pending:
             self._emit(*self.pending, now=(data_wait, dispatch_s))
         self.pending, self.ckpt_s, self.eval_s = (step, m, data_wait), 0.0, 0.0
@@ -107,7 +108,7 @@ class StepLog:
         step's results) in the clean-step timing, unless a save or an eval ran in it or it is in a grace."""
         if self.ckpt_s or self.eval_s:
             self.quiet_until = step + self.grace
-        elif now is not None and step > self.quiet_until:
+        elif self.timed and now is not None and step > self.quiet_until:
             t = self.timing
             t["n"] += 1
             t["step_s"] += dt

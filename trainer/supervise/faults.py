@@ -46,6 +46,7 @@ class FaultInjector:
         self._hog: _Hog | None = None  # the hog fault's thread, while it runs
         self._step_t: list[float] = []  # when the latest steps began (a slow fault's step_multiple reads them)
         self._slow_s: dict[int, float] = {}  # id(fault) -> its sleep, fixed when it first fires
+        self._times_steps = any(f.step_multiple for _, f in self._faults)
 
     def _pending(self, kind: str, step: int, *, open_ended: bool = False, phase: str = "step") -> Fault | None:
         for i, f in self._faults:
@@ -79,7 +80,8 @@ class FaultInjector:
         if (f := self._pending("ecc", step, open_ended=True)) and id(f) not in self._ecc_from:
             self._record(f)
             self._ecc_from[id(f)] = (step, max(f.count, 1))
-        self._step_t = [*self._step_t[-5:], time.perf_counter()]
+        if self._times_steps:
+            self._step_t = [*self._step_t[-5:], time.perf_counter()]
         if f := self._pending("slow", step):
             if step == f.step + max(f.count, 1) - 1:
                 self._record(f)
