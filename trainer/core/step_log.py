@@ -14,6 +14,8 @@ from trainer.core.worker import Worker
 from trainer.observe.event_names import STEP
 from trainer.observe.progress import Progress
 
+MARKS = 4  # window marks in the heartbeat: the supervisor misses none unless it falls 4 windows behind
+
 
 class StepLog:
     """Each step's metrics, read one step late (by then the device has them): the `step` event, TensorBoard
@@ -40,10 +42,14 @@ class StepLog:
         # grace_steps steps, and grace_steps after each save or eval (their own steps are not clean either).
         self.grace = cfg.straggler.grace_steps
         self.quiet_until = start + self.grace
+        # The heartbeat carries the counters as they stood at each of the last MARKS multiples of window_steps
+        # clean steps: the supervisor compares every process over the same steps, whatever its poll rate.
         self.timing = dict(n=0, step_s=0.0, wait_s=0.0, data_s=0.0, dispatch_s=0.0, sync=0)
+        self.window = cfg.straggler.window_steps
+        self.marks: list[dict] = []
         self.timed = cfg.straggler.enabled and jax.process_count() > 1  # no one reads it otherwise
         if self.timed:
-            w.heartbeat.timing = self.timing
+            w.heartbeat.timing = self.marks
         self.ckpt_s = 0.0  # blocking seconds of a save right after the pending step
         self.eval_s = 0.0  # seconds of an eval right after the pending step (left out of its tokens/s)
         self.t_prev = time.perf_counter()
@@ -116,3 +122,6 @@ class StepLog:
             t["data_s"] += now[0]
             t["dispatch_s"] += now[1]
             t["sync"] += self.sync
+            if t["n"] % self.window == 0:
+                self.marks.append(dict(t))
+                del self.marks[:-MARKS]

@@ -17,7 +17,10 @@ GPUs the step call only queues kernels and the wait is in reading results; the r
 
 Only clean steps count (no save, eval or restore near them: the worker leaves out `straggler.grace_steps`
 steps after each), and a verdict needs `straggler.windows` consecutive windows of `window_steps` clean steps
-on every process: a recompile or a one-off pause never makes one.
+on every process: a recompile or a one-off pause never makes one. Windows are cut by the workers (every
+window_steps clean steps, the same steps on every process), not by the supervisor's polls: with fast steps a
+poll-cut window straddled a slowdown's onset or end, and a 30-step slowdown of 115 ms steps left one whole
+window where two were needed (seen on an idle machine: no verdict in 2 runs of 3).
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ class StragglerWatch:
     cfg: StragglerConfig
     processes: int
     launch: str = ""
-    _base: list[dict] | None = None
+    _base: list[dict] = field(default_factory=list)  # every process's counters at the last judged mark
     _streak: dict = field(default_factory=dict)  # process -> (consecutive candidate windows, lost s, steps)
     open: Verdict | None = None  # the verdict standing now
     _calm: int = 0  # consecutive windows without the open verdict's process as a candidate
@@ -75,23 +78,23 @@ class StragglerWatch:
 
     def observe(self, heartbeats: list[dict | None], launch: str) -> list[tuple[str, Verdict]]:
         """Feed the latest heartbeats of attempt `launch`; returns what changed: ("straggler", verdict) when
-        one is declared, ("cleared", verdict) when its process is no slower any more."""
-        if launch != self.launch:  # a new attempt: its counters start over (the standing verdict is ended by end())
-            self.launch, self._base, self._streak = launch, None, {}
-        timings = [(hb or {}).get("timing") for hb in heartbeats]
-        if len(timings) != self.processes or not all(isinstance(t, dict) for t in timings):
+        one is declared, ("cleared", verdict) when its process is no slower any more. Each heartbeat carries
+        its process's counters at its latest multiples of window_steps clean steps (its marks); a window is
+        judged once every process has marked it, so all are compared over the same steps."""
+        if launch != self.launch or not self._base:  # a new attempt: its counters start over (the standing verdict is ended by end())
+            self.launch, self._base, self._streak = launch, [dict.fromkeys(_KEYS, 0.0)] * self.processes, {}
+        marks = [(hb or {}).get("timing") for hb in heartbeats]
+        if len(marks) != self.processes or not all(isinstance(m, list) for m in marks):
             return []
-        now = [{k: float(t.get(k, 0.0)) for k in _KEYS} for t in timings]
-        if self._base is None or any(c["n"] < b["n"] for c, b in zip(now, self._base)):
-            self._base = now
-            return []
-        steps = min(c["n"] - b["n"] for c, b in zip(now, self._base))
-        if steps < self.cfg.window_steps:
-            return []
-        window = _window(now, self._base)
-        self._base = now
+        by_n = [{m["n"]: m for m in ms if isinstance(m, dict) and "n" in m} for ms in marks]
         nodes = [(hb or {}).get("node", "") for hb in heartbeats]
-        return self._judge(window, nodes)
+        out = []
+        for n in sorted(set(by_n[0]).intersection(*by_n[1:])):
+            if n > self._base[0]["n"]:  # a window missed (4 behind) is merged into the next: means, not sums
+                now = [{k: float(b[n].get(k, 0.0)) for k in _KEYS} for b in by_n]
+                window, self._base = _window(now, self._base), now
+                out += self._judge(window, nodes)
+        return out
 
     def _judge(self, w: _Window, nodes: list[str]) -> list[tuple[str, Verdict]]:
         out = []
