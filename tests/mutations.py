@@ -1018,6 +1018,19 @@ MUTATIONS = [
         catch='assert w.observe(g.run(20, own), "a") == []',
     ),
     M(
+        "straggler_calm_takes_the_onset_window",
+        "the window a slowdown starts in (half slow, no candidate yet) is taken for calm: the verdict understates it",
+        (
+            (
+                "trainer/supervise/straggler.py",
+                "        if self.calm and step > self.cfg.factor",
+                "        if False and self.calm and step > self.cfg.factor",
+            ),
+        ),
+        ("tests/test_straggler.py::test_the_window_a_slowdown_starts_in_is_not_taken_for_calm",),
+        catch="abs(v.slowdown - 0.152 / 0.102) < 1e-9",
+    ),
+    M(
         "health_from_process_0_only",
         "only process 0 watches its host's health: an ECC rise on another host is never seen",
         (("trainer/observe/alerts.py", "        return [hardware]", "        return []"),),

@@ -29,7 +29,7 @@ class StepLog:
         self.peak = mesh_lib.peak_flops(cfg.log.peak_flops) * jax.device_count()
         self.progress = Progress(cfg.train.steps, cfg.log.progress and w.primary)
         self.pending = None  # (step, metrics on device, data wait s)
-        self.peer_s = 0.0  # seconds waiting on the group since the last emit: its agreement, a step call that ran it
+        self.peer_s = 0.0  # seconds waiting on the group since the last emit: a step call that ran the step
         # On GPUs the step call only queues the step: its time is host work (launching kernels), and a process
         # waits on its peers when it reads the results. XLA:CPU runs most of the step inside the call (150 of
         # 167 ms, 2 processes x 4 devices), waiting there for its peers in the collectives: device time; with

@@ -3,8 +3,8 @@ heartbeat. No jax here.
 
 In lockstep training every process's step takes the same wall time T: the collectives wait for the slowest.
 Each worker reports, over its clean steps, its wait (blocked on the device and the group: reading a step's
-results, the agreement, and on XLA:CPU the step call itself) and its own time (the rest: data, dispatch,
-other host work). A host that keeps up queues the next step and then waits on its device; the host the
+results, and on XLA:CPU the step call itself) and its own time (the rest: data, dispatch, the per-step
+agreement's RPC, other host work). A host that keeps up queues the next step and then waits on its device; the host the
 group waits for never does: its wait falls to nothing while its own time fills the step. So a straggler is
 a process that is host-bound (wait under CRITICAL of T, or its steps run inside the step call, as XLA:CPU
 runs a one-device process's: then no host work overlaps its device) with more own time than its peers'
@@ -74,7 +74,8 @@ class StragglerWatch:
     open: Verdict | None = None  # the verdict standing now
     _calm: int = 0  # consecutive windows without the open verdict's process as a candidate
     lost_s: float = 0.0  # lost to the open verdict's process since it was declared
-    calm: list[float] = field(default_factory=list)  # the group's step time in the latest windows without a candidate
+    calm: list[float] = field(default_factory=list)  # the group's step time in the latest calm windows
+    _slower: int = 0  # consecutive windows without a candidate but slower than the calm by the factor
 
     def observe(self, heartbeats: list[dict | None], launch: str) -> list[tuple[str, Verdict]]:
         """Feed the latest heartbeats of attempt `launch`; returns what changed: ("straggler", verdict) when
@@ -100,7 +101,9 @@ class StragglerWatch:
         out = []
         found = {p: v for p in range(self.processes) if (v := self._candidate(w, p, nodes[p])) is not None}
         if not found:
-            self.calm = [*self.calm, statistics.median(w.step_s)][-self.cfg.windows :]
+            self._admit_calm(statistics.median(w.step_s))
+        else:
+            self._slower = 0
         for p in list(self._streak):
             if p not in found:
                 del self._streak[p]
@@ -124,6 +127,16 @@ class StragglerWatch:
                 self.open, self._calm, self.lost_s = v, 0, 0.0
                 out.append(("straggler", v))
         return out
+
+    def _admit_calm(self, step: float) -> None:
+        """A window with no candidate is the new calm unless it is `factor` slower than the calm so far: the
+        window a slowdown starts in (half calm, half slow, its process not yet host-bound over the whole
+        window) would have made the verdict's slowdown 1.53x where the run showed 1.69x. `windows` such
+        windows in a row are a new pace (a slower group, e.g. after a drain), and become the calm."""
+        if self.calm and step > self.cfg.factor * statistics.median(self.calm) and self._slower < self.cfg.windows - 1:
+            self._slower += 1
+            return
+        self.calm, self._slower = [*self.calm, step][-self.cfg.windows :], 0
 
     def _candidate(self, w: _Window, p: int, node: str) -> Verdict | None:
         """Process p's verdict for this window: host-bound, more own time than its peers' median (with 3 or
