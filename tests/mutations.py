@@ -1038,6 +1038,19 @@ MUTATIONS = [
         catch="assert health == {0, 1}",
     ),
     M(
+        "host_health_only_in_events",
+        "processes other than 0 write no TensorBoard: another host's health and alerts are only in the events",
+        (
+            (
+                "trainer/core/worker.py",
+                "            enabled=cfg.log.tensorboard and cfg.log.health,",
+                "            enabled=False,",
+            ),
+        ),
+        ("tests/test_straggler.py::test_a_slowed_process_is_named_with_its_node_and_an_ecc_rise_on_it_checkpoints",),
+        catch='(run / "tb" / "hosts").iterdir()',
+    ),
+    M(
         "straggler_costs_nothing_in_the_ledger",
         "the goodput ledger leaves a straggler's lost step time in productive",
         (("trainer/observe/goodput.py", '    moved = min(slowed, secs["productive"])', "    moved = 0.0"),),

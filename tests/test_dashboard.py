@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, child_env, events, run_trainer, trainer_cmd
+from conftest import ROOT, child_env, events, run_trainer, tensorboard, trainer_cmd
 
 from trainer.config import Config
 from trainer.observe import alerts, health
@@ -31,14 +31,6 @@ RUN = [
     f"alerts.overdue_fraction={OVERDUE_FRACTION}",
     FAULTS,
 ]
-
-
-def _tensorboard(logdir: Path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "tensors": 0})
-    acc.Reload()
-    return acc
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +74,7 @@ def _heartbeat(run: Path) -> dict | None:
 @pytest.mark.slow
 def test_tensorboard_has_every_scalar_group(faulty_run):
     run, _ = faulty_run
-    acc = _tensorboard(run / "tb")
+    acc = tensorboard(run / "tb")
     scalars = set(acc.Tags()["scalars"])
     for tag in (
         "loss/train",
@@ -204,7 +196,7 @@ def test_the_tensorboard_writer_does_not_import_torch(tmp_path):
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, env=child_env()
     )
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr[-2000:]
-    assert [e.value for e in _tensorboard(tmp_path).Scalars("loss/train")] == [1.0]
+    assert [e.value for e in tensorboard(tmp_path).Scalars("loss/train")] == [1.0]
 
 
 class _SlowSource:

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import events, run_trainer, step_losses, summary
+from conftest import events, run_trainer, step_losses, summary, tensorboard
 from corpora import code_jsonl, prepared
 
 pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -m 'not slow')
@@ -56,9 +56,8 @@ def test_eval_never_changes_training_and_its_loss_falls(tmp_path, bpe, with_eval
     assert math.isclose(ev[30]["perplexity"], math.exp(ev[30]["loss"]), rel_tol=1e-9)
     ready = next(e for e in events(with_eval) if e["event"] == "data_ready")
     assert (ready["tokenizer"], ready["vocab_size"], ready["dir"]) == ("bpe:512", 512, str(bpe))
-    from test_dashboard import _tensorboard
 
-    tb = _tensorboard(with_eval / "tb")
+    tb = tensorboard(with_eval / "tb")
     assert [s.step for s in tb.Scalars("loss/eval")] == [10, 20, 30]
     from trainer.observe import runview, status
 
@@ -67,7 +66,7 @@ def test_eval_never_changes_training_and_its_loss_falls(tmp_path, bpe, with_eval
     # log.health=false: health collection and alerts are off (and, above, change nothing in training).
     for run, on in ((with_eval, True), (tmp_path / "off", False)):
         kinds = {e["event"] for e in events(run)}
-        tags = set(_tensorboard(run / "tb").Tags()["scalars"])
+        tags = set(tensorboard(run / "tb").Tags()["scalars"])
         assert ({"health_source", "health"} <= kinds) == on and any(t.startswith("health/") for t in tags) == on
     off = {e["event"] for e in events(tmp_path / "off")}  # the ECC count rose from step 3 (an alert with health on)
     assert not off & {"alert", "checkpoint_now"}, off

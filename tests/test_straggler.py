@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 
 import pytest
-from conftest import events, run_trainer, summary
+from conftest import events, run_trainer, summary, tensorboard
 from multihost import TWO, group_overrides, small_corpus
 
 from trainer.config import StragglerConfig
@@ -238,6 +238,16 @@ def test_a_slowed_process_is_named_with_its_node_and_an_ecc_rise_on_it_checkpoin
     [now] = [e for e in evs if e["event"] == "checkpoint_now"]
     saved = [e for e in evs if e["event"] == "checkpoint_saved" and e["reason"] != "periodic"]
     assert now["node"] == "host1" and saved[0]["step"] - now["step"] <= 3, (now, saved)
+    # ... and TensorBoard shows it in process 1's own run, beside process 0's (the run's) health
+    assert sorted(p.name for p in (run / "tb" / "hosts").iterdir()) == ["p1-host1"]
+    host1, run0 = tensorboard(run / "tb" / "hosts" / "p1-host1"), tensorboard(run / "tb")
+    injected = [(e.step, e.value) for e in host1.Scalars("health/host/ecc_injected")]
+    assert injected[0][1] > 0 and injected == sorted(injected, key=lambda x: x[1]), injected  # rising from step 58
+    assert [e.value for e in host1.Scalars("alerts/ecc_rising")] == [1.0]
+    assert host1.Scalars("health/host/cpu_percent")[0].step < 58 and "loss/train" not in host1.Tags()["scalars"]
+    assert (
+        "health/host/cpu_percent" in run0.Tags()["scalars"] and "health/host/ecc_injected" not in run0.Tags()["scalars"]
+    )
 
 
 def test_the_hog_fault_burns_cpu_in_a_thread_for_its_steps_and_fires_once(tmp_path):

@@ -45,7 +45,7 @@ class Worker:
 
     cfg: Config
     run_dir: Path
-    primary: bool  # process 0: the only one that writes events, TensorBoard and the summary
+    primary: bool  # process 0: the only one that writes the run's events, TensorBoard and the summary
     corpus: data.Corpus
     mesh: jax.sharding.Mesh
     spec: state_lib.StateSpec
@@ -313,9 +313,18 @@ def _record_start(
 
 
 def _scalars(cfg: Config, *, primary: bool, fresh: bool) -> Writer:
-    """The TensorBoard writer (process 0 only); a fresh run's first records are its config."""
-    scalars = Writer(Path(cfg.run.dir) / rundir.TENSORBOARD, enabled=primary and cfg.log.tensorboard)
-    if primary and fresh:
+    """The TensorBoard writer: process 0's is the run's, a fresh run's first records its config; every other
+    process writes its own host's health and alerts (the run's metrics are the same on every process)."""
+    logdir = Path(cfg.run.dir) / rundir.TENSORBOARD
+    if not primary:
+        me = jax.process_index()
+        return Writer(
+            logdir / rundir.TB_HOSTS / f"p{me}-{node_name(me)}",
+            enabled=cfg.log.tensorboard and cfg.log.health,
+            only=("health/", "alerts/"),
+        )
+    scalars = Writer(logdir, enabled=cfg.log.tensorboard)
+    if fresh:
         scalars.text("config", "```\n" + dump_yaml(cfg) + "\n```")
         scalars.hparams(
             to_dict(cfg), metric_tags=("loss/train", "loss/eval", "throughput/tokens_per_s", "throughput/mfu")

@@ -21,6 +21,7 @@ CONFIG = "config.yaml"  # the resolved config
 RUNBOOK = "runbook.json"  # the spike runbook's state: skipped batches, softened hyperparameters
 FAULTS_FIRED = "faults_fired.json"  # the injected faults that have fired, so a restart does not fire them again
 TENSORBOARD = "tb"
+TB_HOSTS = "hosts"  # under TENSORBOARD: one run per process other than 0, its host's health and alerts
 HEARTBEAT = "heartbeat"  # worker-PROCESS.json: phase and step; pulse-PROCESS.json: alive; supervisor.json: lease
 STACKS = "stacks"  # worker-PID.txt: a hung worker's Python stacks, dumped before the kill
 LOGS = "logs"  # worker-ATTEMPT.log: each attempt's output, as the supervisor saw it

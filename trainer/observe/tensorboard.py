@@ -1,7 +1,9 @@
 """The one TensorBoard writer: scalars grouped by prefix (loss/, optim/, throughput/, time/, health/,
 alerts/, goodput/, markers/, runbook/), text, and the resolved config in the HParams tab.
 
-The worker keeps one open for the whole attempt; the supervisor opens one briefly for the goodput ledger
+The worker keeps one open for the whole attempt (process 0: the run's; every other process: its host's
+health/ and alerts/ in tb/hosts/p<process>-<node>, a run of its own that TensorBoard draws beside the main
+one, so a hot or throttled host shows against the others); the supervisor opens one briefly for the goodput ledger
 and the runbook's markers, each with its own file-name suffix (two writers opened in the same second
 would otherwise share, and truncate, one file).
 """
@@ -16,8 +18,10 @@ from trainer.observe.events import NO_SPACE
 
 
 class Writer:
-    def __init__(self, logdir: Path, *, enabled: bool = True, suffix: str = ""):
+    def __init__(self, logdir: Path, *, enabled: bool = True, suffix: str = "", only: tuple[str, ...] = ()):
+        """`only`: write just the scalars whose tags start with one of these (a host's own health and alerts)."""
         self._w = None
+        self.only = only
         if enabled:  # loaded only by writers that write
             self._w = _summary_writer()(str(logdir), flush_secs=10, filename_suffix=suffix)
             _guard_disk_full(self._w, logdir)
@@ -25,7 +29,8 @@ class Writer:
     def add(self, step: int, values: dict[str, float]) -> None:
         if self._w:
             for k, v in values.items():
-                self._w.add_scalar(k, float(v), step)
+                if not self.only or k.startswith(self.only):
+                    self._w.add_scalar(k, float(v), step)
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         if self._w:

@@ -82,7 +82,9 @@ class StragglerWatch:
         one is declared, ("cleared", verdict) when its process is no slower any more. Each heartbeat carries
         its process's counters at its latest multiples of window_steps clean steps (its marks); a window is
         judged once every process has marked it, so all are compared over the same steps."""
-        if launch != self.launch or not self._base:  # a new attempt: its counters start over (the standing verdict is ended by end())
+        if (
+            launch != self.launch or not self._base
+        ):  # a new attempt: its counters start over (the standing verdict is ended by end())
             self.launch, self._base, self._streak = launch, [dict.fromkeys(_KEYS, 0.0)] * self.processes, {}
         marks = [(hb or {}).get("timing") for hb in heartbeats]
         if len(marks) != self.processes or not all(isinstance(m, list) for m in marks):
