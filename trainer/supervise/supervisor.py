@@ -116,12 +116,12 @@ class Supervisor:
         hbs = [heartbeat.read(heartbeat.heartbeat_path(self.run_dir, i)) for i in range(att.proc.processes)]
         return [hb if hb and hb.get("launch") == att.proc.launch_id else None for hb in hbs]
 
-    def _check_hang(self, att: Attempt) -> bool:
+    def _check_hang(self, att: Attempt, hbs: list[dict | None]) -> bool:
         # Processes move in lockstep: one waiting in a collective for a slower peer (still compiling, say)
         # is not hung. The group is hung once every process is overdue for its own phase.
         beats = [
             (hb["phase"], hb["time"], hb["step"], i) if hb else ("startup", att.started, None, i)
-            for i, hb in enumerate(self._heartbeats(att))
+            for i, hb in enumerate(hbs)
         ]
         phase, since, step, process = min(beats, key=lambda b: (time.time() - b[1]) / self._timeout(b[0]))
         # Say where the group is stuck: its lowest step (hosts dispatch a step ahead of their devices, so the
@@ -189,19 +189,22 @@ class Supervisor:
                 # Once only: a second SIGTERM landing while a worker exits (its handler already gone) kills it.
                 att.proc.send_signal(signal.SIGTERM)
                 self.stop_signal = -1  # forwarded once; now wait for the save
-            if self.accepted and self._check_hang(att):
+            if not self.accepted:
+                continue
+            hbs = self._heartbeats(att)  # read once a poll: the hang check and the straggler watch share them
+            if self._check_hang(att, hbs):
                 return att.proc.wait()
-            self._watch_stragglers(att)
+            self._watch_stragglers(att, hbs)
             self._maybe_regrow(att)
 
-    def _watch_stragglers(self, att: Attempt) -> None:
+    def _watch_stragglers(self, att: Attempt, hbs: list[dict | None]) -> None:
         """The straggler verdicts from the heartbeats' timing: an event and an alert naming the process and its
         node; with straggler.action=drain and somewhere to run without that node, a save-and-stop (as on a
         preemption) and a restart that excludes it."""
-        if att.stragglers is None or not self.accepted or att.drain is not None:
+        if att.stragglers is None or att.drain is not None:
             return
         step = _last_step(self.run_dir)
-        for what, v in att.stragglers.observe(self._heartbeats(att), att.proc.launch_id):
+        for what, v in att.stragglers.observe(hbs, att.proc.launch_id):
             straggler.report(what, v, self.events.write, step)
             if what != "straggler" or self.cfg.straggler.action != "drain":
                 continue
