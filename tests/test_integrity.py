@@ -22,7 +22,7 @@ from test_layout import _cli
 
 from trainer.observe import checkpoint_files, manifest
 from trainer.observe.checkpoint_files import DURABLE, LOCAL
-from trainer.supervise import exit_codes
+from trainer.supervise import corrupt, exit_codes
 
 
 def _same_as(run: Path, ref: Path, unlogged: tuple[int, ...] = ()) -> None:
@@ -41,35 +41,10 @@ def _of(run: Path, kind: str) -> list[dict]:
 # --- a bad newest checkpoint ---------------------------------------------------------------------------
 
 
-def _largest(directory: Path) -> Path:
-    return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-
-
-def _flip(step_dir: Path, item: str = "state") -> str:
-    f = _largest(step_dir / item)
-    b = bytearray(f.read_bytes())
-    for i in range(len(b) // 2, len(b) // 2 + 8):  # a few bytes in the middle: Orbax still reads the file
-        b[i] ^= 0x5A
-    f.write_bytes(bytes(b))
-    return f.relative_to(step_dir).as_posix()
-
-
-def _truncate(step_dir: Path) -> str:
-    f = _largest(step_dir / "state")
-    f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
-    return f.relative_to(step_dir).as_posix()
-
-
 def _delete(step_dir: Path) -> str:
-    f = _largest(step_dir / "state")
+    f = corrupt.largest_file(step_dir / "state")
     f.unlink()
     return f.relative_to(step_dir).as_posix()
-
-
-def _tear_meta(step_dir: Path) -> str:
-    f = step_dir / "meta" / "metadata"
-    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # what the issue saw crash-loop every restart
-    return "meta/metadata"
 
 
 def _unseal(step_dir: Path) -> str:
@@ -78,10 +53,10 @@ def _unseal(step_dir: Path) -> str:
 
 
 CORRUPTIONS = {
-    "bytes_flipped": (_flip, "checksum mismatch"),
-    "truncated": (_truncate, "truncated"),
+    "bytes_flipped": (corrupt.flip, "checksum mismatch"),
+    "truncated": (corrupt.truncate, "truncated"),
     "deleted": (_delete, "file missing"),
-    "meta_torn": (_tear_meta, "truncated or torn"),
+    "meta_torn": (corrupt.torn, "truncated or torn"),
     "unsealed": (_unseal, "unverified"),
 }
 
@@ -468,10 +443,10 @@ def test_a_step_is_assembled_from_any_copy_a_node_holds_never_from_a_partial_one
         [8, 12, 16],
     ]
     assert all((r / f"process_{i}" / "16" / "buddy").is_dir() for i, r in enumerate(roots))
-    shard = _largest(run / "checkpoints" / "20" / "state" / "ocdbt.process_1")  # only process 1 reads it
+    shard = corrupt.largest_file(run / "checkpoints" / "20" / "state" / "ocdbt.process_1")  # only process 1 reads it
     shard.write_bytes(shard.read_bytes()[:-64] + bytes(64))
     shutil.move(roots[1] / "process_1", roots[0] / "process_1")
-    bad = {_flip(roots[0] / "process_1" / "16"), _flip(roots[0] / "process_0" / "16", "buddy")}
+    bad = {corrupt.flip(roots[0] / "process_1" / "16"), corrupt.flip(roots[0] / "process_0" / "16", "buddy")}
     shutil.rmtree(roots[0] / "process_1" / "12")
     run_trainer(run, *over, env=nodes)
     rejected = _of(run, "checkpoint_rejected")

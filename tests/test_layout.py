@@ -17,7 +17,7 @@ from conftest import COMPILE_CACHE, ROOT, TINY, child_env, sets, summary
 import trainer
 
 BLOCKED = ("jax", "jaxlib", "flax", "optax", "orbax", "grain", "tensorstore")
-JAX_FREE_PACKAGES = ("supervise", "observe", "survival", "corpus")
+JAX_FREE_PACKAGES = ("supervise", "observe", "survival", "corpus", "drill")
 # Importing a blocked package raises at once, wherever the import statement sits (a lazy one too).
 BLOCKER = f"""
 import importlib.abc, sys
@@ -127,6 +127,7 @@ RANK = {
     "corpus": 3,
     "supervise": 3,
     "survival": 3,
+    "drill": 3.5,  # runs the trainer under faults (supervise, survival, observe): jax-free too
     "core": 4,  # the jax side
     "__main__": 5,  # the CLI
 }

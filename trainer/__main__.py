@@ -24,6 +24,7 @@ SUBCOMMANDS = {  # name: (module, one line for --help)
     "report": ("trainer.observe.report", "PNG plots + report.md of a run, into RUN_DIR/report/"),
     "audit": ("trainer.observe.audit", "prove exactly-once data consumption from a run dir"),
     "survival": ("trainer.survival.cli", "run-survival simulator: price the checkpoint interval"),
+    "drill": ("trainer.drill.cli", "fire drill: a config under a seeded schedule of faults, checked end to end"),
     "checkpoints": ("trainer.observe.checkpoints", "list a run's checkpoints (both tiers); --verify re-checks them"),
     "inspect": ("trainer.core.inspect", "compile a config's step without training: bytes, collectives, FLOPs"),
     "export": ("trainer.core.export", "a checkpoint as a Hugging Face GPT-2 model dir (config.json, safetensors)"),

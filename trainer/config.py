@@ -155,6 +155,7 @@ class Fault:
     repeat: bool = False  # fire on every attempt (a deterministic bug), not just once
     process: int = 0  # the process it fires on (node: that process's whole node is lost; supervise/lose_node.py)
     node: str = ""  # slow, hog: fire on whichever process runs on this node, on every attempt (a slow host)
+    how: str = ""  # corrupt: flip | truncate | torn, what happens to the newest durable checkpoint before a crash
 
 
 @dataclass

@@ -24,7 +24,10 @@ MODEL_CHOICES = {
 }
 
 # faults[].kind and faults[].phase (where hang and slow fire); trainer.supervise.faults fires them
-FAULT_KINDS = tuple("crash hang crash_mid_save slow hog slow_save signal ecc nan spike bitflip startup node".split())
+FAULT_KINDS = tuple(
+    "crash hang crash_mid_save slow hog slow_save signal ecc nan spike bitflip startup node corrupt".split()
+)
+CORRUPT_HOW = ("flip", "truncate", "torn")  # faults[].how for corrupt (trainer.supervise.corrupt)
 FAULT_PHASES = ("step", "startup", "restore", "compile", "checkpoint", "eval")
 
 
@@ -112,6 +115,8 @@ def _validate_faults(faults: list[Fault], processes: int) -> None:
             raise ConfigError(f"faults[{i}].step must be >= 0, got {f.step}")
         if f.node and f.kind not in ("slow", "hog"):
             raise ConfigError(f"faults[{i}].node is for slow and hog (a slow host), not {f.kind}: use process")
+        if (f.kind == "corrupt") != bool(f.how) or (f.how and f.how not in CORRUPT_HOW):
+            raise ConfigError(f"faults[{i}].how is for corrupt only, one of {', '.join(CORRUPT_HOW)}, got {f.how!r}")
         if f.phase not in FAULT_PHASES or (f.phase != "step" and f.kind not in ("hang", "slow")):
             raise ConfigError(
                 f"faults[{i}].phase must be one of {', '.join(FAULT_PHASES)} (hang and slow only), "

@@ -20,6 +20,7 @@ SUMMARY = "summary.json"
 CONFIG = "config.yaml"  # the resolved config
 RUNBOOK = "runbook.json"  # the spike runbook's state: skipped batches, softened hyperparameters
 FAULTS_FIRED = "faults_fired.json"  # the injected faults that have fired, so a restart does not fire them again
+FAULT_LOG = "faults.jsonl"  # each injected fault as it fires: index, kind, step, process, time (for the drill)
 TENSORBOARD = "tb"
 TB_HOSTS = "hosts"  # under TENSORBOARD: one run per process other than 0, its host's health and alerts
 HEARTBEAT = "heartbeat"  # worker-PROCESS.json: phase and step; pulse-PROCESS.json: alive; supervisor.json: lease

@@ -20,7 +20,7 @@ from pathlib import Path
 from trainer.config import Fault
 from trainer.observe import rundir
 from trainer.observe.rundir import write_json
-from trainer.supervise import lose_node
+from trainer.supervise import corrupt, lose_node
 
 
 class InjectedStartupError(RuntimeError):
@@ -40,7 +40,9 @@ class FaultInjector:
         self._all = list(enumerate(faults))
         self._faults = [(i, f) for i, f in self._all if (f.node == node if f.node else f.process == process)]
         self.process, self.node_local = process, node_local
-        self._path = Path(run_dir) / rundir.FAULTS_FIRED
+        self._path, self._log = Path(run_dir) / rundir.FAULTS_FIRED, Path(run_dir) / rundir.FAULT_LOG
+        self._run_dir = Path(run_dir)
+        self._logged: set[int] = set()  # id(fault): its firing is in the fault log
         self._fired = self._read()
         self._ecc_from: dict[int, tuple[int, int]] = {}  # id(fault) -> (first step, errors per step)
         self._hog: _Hog | None = None  # the hog fault's thread, while it runs
@@ -58,7 +60,9 @@ class FaultInjector:
     def _read(self) -> set[int]:
         return set(json.loads(self._path.read_text())) if self._path.is_file() else set()
 
-    def _record(self, fault: Fault) -> None:
+    def _record(self, fault: Fault, step: int | None, *, log: bool = True, **detail) -> None:
+        """`fault` has fired (at `step`): never again in this run. `log`: also write when (a fault that lasts
+        several steps is logged at its first and recorded at its last)."""
         if fault.repeat or fault.node:  # a node's fault is the node's: it fires on every attempt that runs there
             return
         self._fired.add(next(i for i, f in self._all if f is fault))
@@ -67,34 +71,52 @@ class FaultInjector:
         # Other processes record theirs in the same file: keep what they wrote since this one read it.
         self._fired |= self._read()
         write_json(self._path, sorted(self._fired), durable=True, indent=None)
+        if log:
+            self._log_fired(fault, step, **detail)
+
+    def _log_fired(self, fault: Fault, step: int | None, **detail) -> None:
+        """When a fault fired, for the fire drill's time to detect: durable before the fault takes the process."""
+        if fault.repeat or fault.node or fault.process != self.process or id(fault) in self._logged:
+            return
+        self._logged.add(id(fault))
+        index = next(i for i, f in self._all if f is fault)
+        line = dict(index=index, kind=fault.kind, step=step, phase=fault.phase, process=self.process, **detail)
+        with open(self._log, "a") as fh:
+            fh.write(json.dumps(dict(line, time=time.time())) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
 
     def at_startup(self) -> None:
         """Called once while the worker starts, before its first heartbeat: the `startup` fault raises."""
         for i, f in self._faults:
             if f.kind == "startup" and i not in self._fired:
-                self._record(f)
+                self._record(f, None)
                 raise InjectedStartupError(f"injected fault: start-up failure (faults[{i}])")
 
     def before_step(self, step: int) -> None:
         """Called with the step about to run."""
         if (f := self._pending("ecc", step, open_ended=True)) and id(f) not in self._ecc_from:
-            self._record(f)
+            self._record(f, step)
             self._ecc_from[id(f)] = (step, max(f.count, 1))
         if self._times_steps:
             self._step_t = [*self._step_t[-5:], time.perf_counter()]
         if f := self._pending("slow", step):
+            self._log_fired(f, step)
             if step == f.step + max(f.count, 1) - 1:
-                self._record(f)
+                self._record(f, f.step, log=False)
             time.sleep(self._slow_seconds(f))
         self._hog_at(step)
         if f := self._pending("crash", step):
-            self._record(f)
+            self._record(f, step)
+            os._exit(CRASH_EXIT)
+        if f := self._pending("corrupt", step):
+            self._record(f, step, hit=corrupt.newest(self._run_dir, f.how))
             os._exit(CRASH_EXIT)
         if f := self._pending("signal", step):
-            self._record(f)
+            self._record(f, step)
             os.kill(os.getpid(), getattr(signal, f.signal))
         if f := self._pending("node", step):
-            self._record(f)
+            self._record(f, step)
             lose_node.now(self.node_local)
         self._hang_or_slow("step", step)
 
@@ -115,12 +137,13 @@ class FaultInjector:
         step. `seconds` > 0: a burst of that many seconds at each step; 0: all the time."""
         f = self._pending("hog", step)
         if f is not None and self._hog is None:
+            self._log_fired(f, step)
             self._hog = _Hog(f.seconds)
             print(f"worker: fault hog from step {step} for {max(f.count, 1)} steps", flush=True)
         if f is not None:
             self._hog.go.set()
             if step == f.step + max(f.count, 1) - 1:
-                self._record(f)
+                self._record(f, f.step, log=False)
         elif self._hog is not None:
             self._hog.stop = True
             self._hog.go.set()
@@ -135,10 +158,10 @@ class FaultInjector:
         # Outside the step phase a fault fires once, the first time the phase is entered at or after its step.
         other = phase != "step"
         if other and (f := self._pending("slow", step, open_ended=True, phase=phase)):
-            self._record(f)
+            self._record(f, step)
             time.sleep(f.seconds)
         if f := self._pending("hang", step, open_ended=other, phase=phase):
-            self._record(f)
+            self._record(f, step)
             while True:  # a hung collective looks like this from the outside: alive, no progress
                 time.sleep(3600)
 
@@ -152,7 +175,7 @@ class FaultInjector:
         numerical blow-up), spike multiplies it by the fault's scale (a too-hot LR for one update)."""
         for i, f in self._all:
             if f.kind in ("nan", "spike") and f.step == step and i not in self._fired:
-                self._record(f)
+                self._record(f, step)
                 return float("nan") if f.kind == "nan" else base * f.scale
         return base
 
@@ -161,7 +184,7 @@ class FaultInjector:
         trainer.core.replicas does it). Every process asks; the one holding that replica flips."""
         for i, f in self._all:
             if f.kind == "bitflip" and f.step == step and i not in self._fired:
-                self._record(f)
+                self._record(f, step)
                 return True
         return False
 
@@ -172,14 +195,14 @@ class FaultInjector:
         """The slow_save fault: seconds the storage takes on top to commit the durable save of `step` (read
         in the thread that commits it: Orbax's background thread, or the caller's when saves are synchronous)."""
         if f := self._pending("slow_save", step, open_ended=True):
-            self._record(f)
+            self._record(f, step)
             return f.seconds
         return 0.0
 
     def after_save_started(self, step: int) -> None:
         """Called right after an async save was started for `step`: die while it is being written."""
         if f := self._pending("crash_mid_save", step, open_ended=True):
-            self._record(f)
+            self._record(f, step)
             os._exit(CRASH_EXIT)
 
 

@@ -1,0 +1,154 @@
+"""The fire drill: its seeded fault schedule, and drills of the tiny config end to end (real supervised
+runs, real faults, the undisturbed reference run), passing, and failing with the right line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import MICRO, ROOT, child_env, sets
+
+from trainer.config import load_config
+from trainer.drill import plan
+
+TINY = "configs/tiny.yaml"
+
+
+def test_the_schedule_is_seeded_poisson_and_lands_each_kind_where_it_can():
+    cfg = load_config(TINY)
+    kinds, why = plan.available(cfg)
+    assert "bitflip" not in kinds and "replica_check_steps" in why["bitflip"]
+    steps, step_s, mtbf = 4000, 0.1, 3.0
+    a = plan.schedule(cfg, steps=steps, step_s=step_s, mtbf_s=mtbf, kinds=kinds, seed=7)
+    assert a == plan.schedule(cfg, steps=steps, step_s=step_s, mtbf_s=mtbf, kinds=kinds, seed=7)
+    assert a != plan.schedule(cfg, steps=steps, step_s=step_s, mtbf_s=mtbf, kinds=kinds, seed=8)
+    # ~ steps * step_s / mtbf arrivals (133), a few dropped where no kind can land
+    assert 100 <= len(a) <= 170, len(a)
+    assert len({p.step for p in a}) == len(a) and all(3 <= p.step < steps - 3 for p in a)
+    assert {p.kind for p in a} == set(kinds)
+    rb, every = cfg.runbook, cfg.checkpoint.every_steps
+    rewinds = [p.step for p in a if p.kind in ("spike", "nan")]
+    assert all(b - c > rb.recur_distance for c, b in zip(rewinds, rewinds[1:])), rewinds
+    assert all(p.step >= rb.warmup_steps + rb.min_history for p in a if p.kind == "spike")
+    assert sum(p.kind == "ecc" for p in a) == 1
+    after_save = [p for p in a if p.kind == "crash_after_save"]
+    assert all(p.step % every == 1 and p.fault == {"kind": "crash", "step": p.step} for p in after_save)
+    failures = [p.step for p in a if p.kind in plan.RESTARTS]
+    for p in a:
+        if p.kind in plan.AFTER_RESTART:  # armed at a checkpoint step that a failure after it restores
+            assert p.fault["phase"] == p.kind.split("_")[1] and p.fault["step"] % every in (0, 1)
+            assert p.fault["step"] >= 1 and any(s > p.fault["step"] + every - 1 for s in failures)
+        if p.kind == "slow":  # the throughput alert's window of pace behind it, since the start or a failure
+            assert p.step > max([s for s in failures if s < p.step], default=0) + cfg.alerts.throughput_window
+        if p.kind == "corrupt":
+            assert p.fault["how"] in plan.CORRUPTIONS
+        if p.kind == "preempt":
+            assert p.fault is None  # the drill sends it
+    off = dataclasses.replace(cfg, runbook=dataclasses.replace(cfg.runbook, enabled=False))
+    assert {"spike", "nan"} <= set(plan.available(off)[1])
+
+
+def test_each_fault_is_matched_to_its_detection_and_the_first_step_past_where_the_run_was():
+    from trainer.drill import checks
+
+    P = plan.Planned
+    schedule = [
+        P("crash", 12, {"kind": "crash", "step": 12}),
+        P("preempt", 20, None),
+        P("hang_restore", 25, {"kind": "hang", "step": 10, "phase": "restore"}),
+        P("slow", 40, {"kind": "slow", "step": 40}),
+    ]
+    fired = [
+        {"index": 0, "step": 12, "time": 100.0},
+        {"index": 1, "step": 10, "phase": "restore", "time": 130.0},
+        {"index": 2, "step": 40, "time": 200.0},
+    ]
+    preempts = [{"kind": "preempt", "step": 21, "time": 150.0}]
+
+    def step(s, t):
+        return {"event": "step", "step": s, "time": t}
+
+    evs = [
+        *(step(s, 90.0 + s * 0.5) for s in range(1, 12)),  # up to step 11 at 95.5
+        {"event": "worker_exit", "exit_code": 13, "time": 100.5},
+        {"event": "restore", "step": 10, "time": 104.0},
+        *(step(s, 100.0 + s) for s in range(11, 14)),  # 11-13: step 12 again at 112, first new at 112
+        {"event": "hang_detected", "time": 140.0},
+        {"event": "restore", "step": 10, "time": 143.0},
+        *(step(s, 135.0 + s) for s in range(11, 22)),
+        {"event": "preempted", "by": "supervisor", "time": 151.0},
+        {"event": "restore", "step": 20, "time": 160.0},
+        *(step(s, 145.0 + s) for s in range(21, 60)),
+        {"event": "alert", "kind": "throughput_drop", "time": 203.0},
+        {"event": "alert_cleared", "kind": "throughput_drop", "time": 230.0},
+    ]
+    rows = {r["kind"]: r for r in checks.faults(schedule, fired, preempts, evs)}
+    crash, hang, pre, slow = rows["crash"], rows["hang_restore"], rows["preempt"], rows["slow"]
+    assert (crash["detected_by"], crash["detect_s"], crash["recomputed"]) == ("worker_exit", 0.5, 1)
+    assert crash["healed"] and crash["productive_s"] == 12.0  # step 12 (past 11) at 112
+    assert (hang["detected_by"], hang["detect_s"], hang["recomputed"]) == ("hang_detected", 10.0, 3)
+    assert hang["productive_s"] == 19.0  # step 14 (past 13) at 149
+    # the preempted worker ran on to its save (step 20, what the requeued run restores): nothing recomputed
+    assert (pre["detected_by"], pre["recomputed"], pre["productive_s"]) == ("preempted", 0, 16.0)
+    assert (slow["detected_by"], slow["detect_s"], slow["healed"], slow["productive_s"]) == ("alert", 3.0, True, 30.0)
+    # a fault nothing noticed is reported as such
+    [lost] = checks.faults(schedule[:1], fired[:1], [], [e for e in evs if e["event"] != "worker_exit"][:11])
+    assert lost["detected_by"] is None and not lost["healed"]
+
+
+def _drill(
+    tmp_path: Path, *args: str, minutes: float = 0.6, mtbf: float = 4.0
+) -> tuple[subprocess.CompletedProcess, Path]:
+    work = tmp_path / "drill"
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "drill",
+        "--config",
+        TINY,
+        *sets(*MICRO, *DRILL_SETS),
+        "--set",
+        f"run.dir={tmp_path / 'mine'}",
+        "--minutes",
+        str(minutes),
+        "--mtbf",
+        str(mtbf),
+        "--dir",
+        str(work),
+        *args,
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=child_env())
+    return proc, work
+
+
+# Timeouts as a drill of these micro steps needs them (a step ~50 ms, a start ~5 s): the defaults (2 min a
+# step, 10 for a start) would spend the drill waiting.
+DRILL_SETS = (
+    "supervisor.step_timeout_s=6",
+    "supervisor.restore_timeout_s=15",
+    "supervisor.startup_timeout_s=40",
+    "checkpoint.every_steps=50",  # ~1.5 s of these steps: longer than a save takes to become durable
+)
+
+
+@pytest.mark.slow
+def test_a_drill_of_the_micro_config_heals_every_fault_and_ends_as_the_undisturbed_run(tmp_path):
+    kinds = "crash,crash_after_save,hang,hang_restore,crash_mid_save,corrupt,preempt"
+    proc, work = _drill(tmp_path, "--faults", kinds, "--seed", "3", minutes=1.0, mtbf=1.5)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "DRILL PASSED" in proc.stdout and f"drill: in {work}" in proc.stdout
+    res = json.loads((work / "drill.json").read_text())
+    rows = res["faults"]
+    assert len(rows) >= 5 and len({r["kind"] for r in rows}) >= 4, [r["kind"] for r in rows]
+    assert all(r["healed"] and r["detect_s"] is not None and r["productive_s"] >= r["detect_s"] for r in rows), rows
+    dp = res["data_and_params"]
+    assert dp["hash_equal"] and not dp["audit_problems"] and dp["audit"]["compared_steps"] == res["steps"], dp
+    assert res["goodput"]["within"], res["goodput"]
+    assert (work / "drill.png").stat().st_size > 10_000
+    assert not (tmp_path / "mine").exists()  # the configuration's run dir is never touched
+    print(proc.stdout[proc.stdout.index("  #") :])

@@ -1,0 +1,224 @@
+"""`python -m trainer drill --config FILE [--set KEY=VALUE ...] [--minutes M] [--mtbf SECONDS] [--faults KINDS]
+[--seed K]`: will this configuration survive weeks of things breaking, and what will the breakage cost?
+
+It calibrates (a short run: step time, start-up), plans a seeded Poisson schedule of faults at the given mean
+time between failures for about M minutes of drilling, runs the configuration under it (supervised, as it
+would train; the drill sends the preemptions and requeues the job), then runs the same steps undisturbed
+and checks: every fault detected and healed, data consumed exactly once, the final params bit-for-bit the
+undisturbed run's, the ledger's goodput against the survival model's prediction, and the setup. Table on
+stdout, DIR/drill.json and DIR/drill.png; exit 0 only if every check holds, else one line per failed check.
+Everything runs in its own directory (printed); the configuration's run dir is never touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from trainer.config import ConfigError, load_config
+from trainer.drill import checks, page, plan, run
+from trainer.observe import rundir
+from trainer.observe.events import read_events
+from trainer.supervise import exit_codes
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer drill", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="the configuration to drill (YAML)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.add_argument("--minutes", type=float, default=20.0, help="how long to drill (the drilled run alone)")
+    p.add_argument(
+        "--mtbf", type=float, default=40.0, metavar="SECONDS", help="mean seconds of training between faults"
+    )
+    p.add_argument("--faults", default="", metavar="KINDS", help=f"comma-separated, of: {', '.join(plan.KINDS)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dir", default="", help="the drill's directory (default: RUN_DIR-drill-DATE-TIME)")
+    scale = p.add_argument_group("projection to the real run (as `survival` takes it)")
+    scale.add_argument("--gpus", type=int, default=1024)
+    scale.add_argument("--gpu-mtbf-hours", type=float, default=50_000.0)
+    scale.add_argument("--days", type=float, default=21.0)
+    return p
+
+
+def _kinds(cfg, asked: str) -> list[str]:
+    can, why = plan.available(cfg)
+    if not asked:
+        return can
+    kinds = [k.strip() for k in asked.split(",") if k.strip()]
+    for k in kinds:
+        if k not in plan.KINDS:
+            raise ConfigError(f"--faults: unknown kind {k!r}; one of {', '.join(plan.KINDS)}")
+        if k in why:
+            raise ConfigError(f"--faults: {k} cannot be drilled with this config: {why[k]}")
+    return kinds
+
+
+def _steps(cfg, cal: dict, minutes: float, mtbf: float, kinds: list[str]) -> int:
+    """Steps that make about `minutes` of drilling: each fault costs a start-up, half a checkpoint interval
+    recomputed, and a hang the step timeout besides."""
+    every = cfg.checkpoint.every_steps or cfg.train.steps
+    hangs = sum(k.startswith("hang") for k in kinds) / len(kinds)
+    per_fault = cal["startup_s"] + every * cal["step_s"] / 2 + hangs * cfg.supervisor.step_timeout_s
+    work_s = minutes * 60 - cal["startup_s"]
+    return max(int(work_s / (cal["step_s"] * (1 + per_fault / mtbf))), 20)
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.set)
+        kinds = _kinds(cfg, args.faults)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    work = Path(args.dir or f"{cfg.run.dir}-drill-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    if work.exists() and any(work.iterdir()):
+        print(f"error: --dir {work} is not empty: a drill starts in a directory of its own", file=sys.stderr)
+        return 2
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"drill: in {work} (the configuration's run dir {cfg.run.dir} is not touched)", flush=True)
+    try:
+        return _drill(cfg, kinds, work, args)
+    except run.DrillError as e:
+        print(f"drill: FAILED: {e}", file=sys.stderr)
+        return 1
+
+
+def _drill(cfg, kinds: list[str], work: Path, args) -> int:
+    cal = run.calibrate(cfg, work)
+    steps = _steps(cfg, cal, args.minutes, args.mtbf, kinds)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps, stop_at_step=0))
+    schedule = plan.schedule(cfg, steps=steps, step_s=cal["step_s"], mtbf_s=args.mtbf, kinds=kinds, seed=args.seed)
+    print(
+        f"drill: calibrated {cal['step_s'] * 1e3:.0f} ms a step, start-up {cal['startup_s']:.1f} s; {steps} steps, "
+        f"{len(schedule)} faults planned ({', '.join(sorted({p.kind for p in schedule}))}), seed {args.seed}",
+        flush=True,
+    )
+    limit = max(4 * args.minutes * 60, 900)
+    drilled = run.drilled(cfg, schedule, work, limit_s=limit)
+    print(
+        f"drill: drilled run ended (exit {drilled['exit_code']}) after {drilled['wall_s']:.0f} s; now the "
+        "undisturbed run of the same steps, after it",
+        flush=True,
+    )
+    ref = run.reference(cfg, work, limit_s=limit)
+    run_dir, ref_dir = work / "run", work / "reference"
+    evs = read_events(run_dir / rundir.EVENTS)
+    rows = checks.faults(schedule, run.fired(run_dir), drilled["preempts"], evs)
+    summary = rundir.read_json(run_dir / rundir.SUMMARY) or {}
+    gp = checks.goodput(summary, rows, cfg, cal["step_s"]) if summary.get("goodput") else None
+    dp = checks.data_and_params(run_dir, ref_dir)
+    failed = _failed(cfg, drilled, rows, dp, gp, ref) + checks.setup(cfg, evs, rows, run_dir)
+    costs = checks.costs(evs, summary)
+    interval = cfg.checkpoint.every_steps * cal["step_s"] / 60 if cfg.checkpoint.every_steps else None
+    proj = checks.projection(
+        costs, gpus=args.gpus, gpu_mtbf_hours=args.gpu_mtbf_hours, days=args.days, interval_min=interval
+    )
+    fired_idx = {f["index"] for f in run.fired(run_dir)}
+    with_fault = [p for p in schedule if p.fault is not None]
+    unfired = [dataclasses.asdict(p) for i, p in enumerate(with_fault) if i not in fired_idx]
+    result = {
+        "dir": str(work),
+        "calibration": cal,
+        "steps": steps,
+        "seed": args.seed,
+        "mtbf_s": args.mtbf,
+        "kinds": kinds,
+        "planned": plan.as_dicts(schedule),
+        "faults": rows,
+        "not_fired": unfired,
+        "drilled": drilled,
+        "reference": dict(ref, order="after the drilled run"),
+        "data_and_params": dp,
+        "goodput": gp,
+        "projection": proj,
+        "failed": failed,
+        "passed": not failed,
+    }
+    (work / "drill.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    if evs:
+        page.timeline(evs, rows, work / "drill.png")
+    _print(result, rows, gp, dp, proj, drilled, ref)
+    return 0 if not failed else 1
+
+
+def _failed(cfg, drilled: dict, rows: list[dict], dp: dict, gp: dict | None, ref: dict) -> list[str]:
+    out = []
+    if drilled["exit_code"] != 0:
+        name = exit_codes.NAMES.get(drilled["exit_code"], "?")
+        out.append(
+            f"the drilled run did not finish: exit {drilled['exit_code']} ({name}); see run.log in the drill's dir"
+        )
+    for r in rows:
+        if r["detected_by"] is None:
+            out.append(f"{r['kind']} at step {r['step']} was never detected")
+        elif not r["healed"]:
+            out.append(
+                f"{r['kind']} at step {r['step']} was detected ({r['detected_by']}) but the run never got past it"
+            )
+    if ref["softened"]:
+        out.append(
+            "the spike runbook softened the LR: no undisturbed run matches; space spikes wider (runbook.recur_distance)"
+        )
+    elif not dp["hash_equal"]:
+        out.append(
+            f"final params differ from the undisturbed run's ({str(dp['params_sha256'])[:12]} vs "
+            f"{str(dp['reference_sha256'])[:12]}): resume is not bit-for-bit"
+        )
+    if dp["audit_problems"]:
+        out.append(f"data not consumed exactly once: {dp['audit_problems'][0]}")
+    if gp is None:
+        out.append("no goodput ledger in the drilled run's summary.json")
+    elif not gp["within"]:
+        every = cfg.checkpoint.every_steps
+        out.append(
+            f"goodput {gp['measured']:.1%} measured vs {gp['predicted']:.1%} expected by the survival model for the "
+            f"same costs (more than {checks.GOODPUT_TOLERANCE:.0%} apart): its {gp['uniform_failures']} failures at a "
+            f"random step recomputed {gp['recomputed_per_uniform']:.0f} steps each where it assumes half an interval "
+            f"({every / 2:g}): a save that takes longer than checkpoint.every_steps to become durable costs more than "
+            "the model prices; lengthen the interval or speed up saves"
+        )
+    return out
+
+
+def _print(result, rows, gp, dp, proj, drilled, ref) -> None:
+    print()
+    print(page.table(rows))
+    kinds = sorted({r["kind"] for r in rows})
+    ok = sum(r["healed"] for r in rows)
+    print(f"\n{len(rows)} faults of {len(kinds)} kinds fired, {ok} detected and healed", end="")
+    print(f"; {len(result['not_fired'])} planned never fired" if result["not_fired"] else "")
+    print(
+        f"drilled run {drilled['wall_s']:.0f} s in {drilled['sessions']} session(s); "
+        f"reference {ref['wall_s']:.0f} s, run after it"
+    )
+    print(
+        f"params: {str(dp['params_sha256'])[:16]} drilled, {str(dp['reference_sha256'])[:16]} undisturbed: "
+        f"{'equal' if dp['hash_equal'] else 'DIFFERENT'}"
+    )
+    print(
+        f"audit: {'clean' if not dp['audit_problems'] else dp['audit_problems'][0]} ({dp['audit'].get('steps')} steps, "
+        f"{dp['audit'].get('compared_steps')} compared with the reference)"
+    )
+    if gp:
+        print(
+            f"goodput: {gp['measured']:.1%} measured, {gp['predicted']:.1%} expected by the survival model for the "
+            f"measured costs ({gp['uniform_failures']} failures at a random step, "
+            f"{gp['recomputed_per_uniform']:.0f} steps recomputed each)"
+        )
+    print(
+        f"at your scale ({proj['inputs']['gpus']} GPUs, MTBF {proj['inputs']['mtbf_hours']:.0f} h each, "
+        f"{proj['inputs']['days']:g} days): {proj['expected_failures']:.0f} failures, {proj['wasted_gpu_hours']:,.0f} "
+        f"GPU-hours wasted ({proj['verdict']}); best checkpoint interval {proj['best_interval_min']:.1f} min"
+    )
+    print(f"results: {result['dir']}/drill.json, {result['dir']}/drill.png")
+    if result["failed"]:
+        print("\nDRILL FAILED:")
+        for line in result["failed"]:
+            print(f"- {line}")
+    else:
+        print("\nDRILL PASSED: every check holds")

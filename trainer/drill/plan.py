@@ -1,0 +1,125 @@
+"""The drill's fault schedule: a Poisson process at the drill's mean time between failures, in seconds of
+training (drawn as exponential gaps, mapped to steps by the calibrated step time), each arrival one of the
+kinds available where the drill runs, seeded. Some kinds land in the awkward places on purpose: a crash the
+step after a periodic save (while it is still being written), a hang in the restore or the compile of the
+restart after a failure, a crash while a save is in flight, a corrupted newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+
+from trainer.config import Config
+
+# kind: (what the trainer's fault list gets, in words). "preempt" is the drill's own: a SIGTERM to the
+# supervisor, as a scheduler sends it; every other kind is a `faults` entry the workers fire themselves.
+KINDS = {
+    "crash": "the worker process dies (SIGKILL-like exit) at a step",
+    "crash_after_save": "the worker dies the step after a periodic save, while the save is in flight",
+    "hang": "the step hangs (alive, no progress), as in a stuck collective",
+    "hang_restore": "the restore of the restart after a failure hangs",
+    "hang_compile": "the compile of the restart after a failure hangs",
+    "crash_mid_save": "the worker dies while a save is being written",
+    "corrupt": "the newest durable checkpoint gets flipped bytes, a truncated file or torn metadata; then a crash",
+    "preempt": "SIGTERM to the supervisor, as a scheduler preempting the job; the drill requeues it",
+    "spike": "one update with a 1000x LR: the loss spike runbook rewinds and skips",
+    "nan": "one update turns the params NaN: the runbook rewinds and skips",
+    "ecc": "a host's ECC error count rises: checkpoint now",
+    "slow": "one process's host work slows 3x for 20 steps",
+    "bitflip": "one replica's params get a flipped bit (silent data corruption): caught and rewound",
+}
+RESTARTS = {"crash", "crash_after_save", "hang", "crash_mid_save", "corrupt", "preempt", "spike", "nan", "bitflip"}
+AFTER_RESTART = {"hang_restore", "hang_compile"}  # fire in the restart that follows an earlier failure
+CORRUPTIONS = ("flip", "truncate", "torn")
+SLOW_STEPS, SLOW_MULTIPLE = 20, 3.0
+
+
+@dataclass
+class Planned:
+    kind: str  # a KINDS key
+    step: int  # the step it fires at (after_restart kinds: the restore/compile at or after it)
+    fault: dict | None  # the trainer's `faults` entry; None for preempt (the drill sends it)
+
+
+def available(cfg: Config) -> tuple[list[str], dict[str, str]]:
+    """The kinds this configuration can be drilled with here, and why each other one is left out."""
+    out: dict[str, str] = {}
+    if not cfg.integrity.replica_check_steps:
+        out["bitflip"] = "integrity.replica_check_steps is 0: nothing would look for a flipped bit"
+    if not cfg.runbook.enabled:
+        out["spike"] = out["nan"] = "runbook.enabled is false: a spike would train on"
+    if not cfg.log.health:
+        out["ecc"] = "log.health is false: no health monitor reads ECC counts"
+    if not cfg.checkpoint.every_steps:
+        out["crash_after_save"] = "checkpoint.every_steps is 0: no periodic save to crash after"
+    return [k for k in KINDS if k not in out], out
+
+
+def schedule(cfg: Config, *, steps: int, step_s: float, mtbf_s: float, kinds: list[str], seed: int) -> list[Planned]:
+    """Faults over `steps` steps: exponential gaps of mean `mtbf_s` seconds of training (`step_s` a step),
+    none in the first 3 steps or the last 3, at most one a step. Kinds drawn uniformly from `kinds`, except
+    where one cannot land: a hang in a restart needs an earlier failure; a slowdown, the pace before it; a
+    spike needs the runbook's warm-up
+    behind it and a gap of runbook.recur_distance from any other spike or NaN (a recurrence would soften
+    the LR, which no undisturbed run can match); ECC fires once (its alert stays open)."""
+    rng = random.Random(seed)
+    plan: list[Planned] = []
+    every = cfg.checkpoint.every_steps
+    spike_from = cfg.runbook.warmup_steps + cfg.runbook.min_history
+    t, used, last_rewind, last_failure = 0.0, set(), -(10**9), None
+
+    def slow_from(failure: int | None) -> int:
+        """A slowdown is seen against the pace before it: the throughput alert's window of steps (and, with
+        several processes, the straggler watch's grace and two windows) since the start or the restart."""
+        need = max(cfg.alerts.throughput_window, cfg.straggler.grace_steps + 2 * cfg.straggler.window_steps) + 5
+        return need + (0 if failure is None else failure + 1)
+
+    while True:
+        t += rng.expovariate(1.0 / mtbf_s)
+        step = max(int(t / step_s), 3)
+        if step >= steps - 3:
+            return plan
+        while step in used:
+            step += 1
+        choices = [
+            k
+            for k in kinds
+            if not (k in AFTER_RESTART and last_failure is None)
+            and not (k == "spike" and (step < spike_from or step - last_rewind <= cfg.runbook.recur_distance))
+            and not (k == "nan" and step - last_rewind <= cfg.runbook.recur_distance)
+            and not (k == "ecc" and any(p.kind == "ecc" for p in plan))
+            and not (k == "slow" and step < slow_from(last_failure))
+            and not (k == "crash_after_save" and (step // every + 1) * every + 1 >= steps - 3)
+        ]
+        if not choices:
+            continue
+        kind = rng.choice(choices)
+        fault: dict | None = {"kind": kind, "step": step}
+        if kind == "crash_after_save":
+            step = (step // every + 1) * every + 1
+            if step in used:
+                continue
+            fault = {"kind": "crash", "step": step}
+        elif kind in AFTER_RESTART:
+            # the restart after the last failure restores at its checkpoint, at most one interval back
+            # (at least 1: a fresh start enters the restore phase too, at step 0, before any failure)
+            restored = max((last_failure // every - 1) * every, 1) if every else 1
+            fault = {"kind": "hang", "step": restored, "phase": kind.split("_")[1]}
+        elif kind == "corrupt":
+            fault["how"] = rng.choice(CORRUPTIONS)
+        elif kind == "slow":
+            fault.update(count=SLOW_STEPS, step_multiple=SLOW_MULTIPLE)
+        elif kind == "preempt":
+            fault = None
+        if kind in ("spike", "nan"):
+            last_rewind = step
+        if kind in RESTARTS:
+            last_failure = step
+        used.add(step)
+        plan.append(Planned(kind, step, fault))
+        plan.sort(key=lambda p: p.step)
+
+
+def as_dicts(plan: list[Planned]) -> list[dict]:
+    return [asdict(p) for p in plan]
