@@ -1031,6 +1031,34 @@ MUTATIONS = [
         catch="abs(v.slowdown - 0.152 / 0.102) < 1e-9",
     ),
     M(
+        "drill_heals_at_any_step",
+        "the drill calls a fault healed at the restart's first step, even one it had already trained (recompute)",
+        (
+            (
+                "trainer/drill/checks.py",
+                'first = next((e for e in steps if e["time"] > since and e["step"] > best), None)',
+                'first = next((e for e in steps if e["time"] > since), None)',
+            ),
+        ),
+        (
+            "tests/test_drill.py::test_each_fault_is_matched_to_its_detection_and_the_first_step_past_where_the_run_was",
+        ),
+        catch='crash["productive_s"] == 12.0',
+    ),
+    M(
+        "drill_spikes_close_enough_to_soften",
+        "the drill's schedule puts a spike within runbook.recur_distance of another: the runbook softens the LR",
+        (
+            (
+                "trainer/drill/plan.py",
+                'and not (k == "spike" and (step < spike_from or step - last_rewind <= cfg.runbook.recur_distance))',
+                'and not (k == "spike" and step < spike_from)',
+            ),
+        ),
+        ("tests/test_drill.py::test_the_schedule_is_seeded_poisson_and_lands_each_kind_where_it_can",),
+        catch="b - c > rb.recur_distance",
+    ),
+    M(
         "health_from_process_0_only",
         "only process 0 watches its host's health: an ECC rise on another host is never seen",
         (("trainer/observe/alerts.py", "        return [hardware]", "        return []"),),

@@ -52,6 +52,8 @@ def test_every_shipped_config_parses_and_has_its_stated_size():
         ("train.microbatches=0", "train.microbatches must be > 0"),
         ("faults=[{kind: crash, step: 3, phase: restore}]", "faults[0].phase must be one of step, startup, restore"),
         ("faults=[{kind: hang, step: 3, phase: shutdown}]", "faults[0].phase must be one of"),
+        ("faults=[{kind: corrupt, step: 3}]", "faults[0].how is for corrupt only, one of flip, truncate, torn"),
+        ("faults=[{kind: crash, step: 3, how: flip}]", "faults[0].how is for corrupt only"),
         ("model.arch=mamba", "model.arch must be one of gpt2, llama, got 'mamba'"),
         ("model.n_kv_heads=4", "model.n_heads (6) must be a multiple of model.n_kv_heads (4)"),
         ("model.position=alibi", "model.position must be learned or rope, got 'alibi'"),

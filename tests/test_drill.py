@@ -152,3 +152,30 @@ def test_a_drill_of_the_micro_config_heals_every_fault_and_ends_as_the_undisturb
     assert (work / "drill.png").stat().st_size > 10_000
     assert not (tmp_path / "mine").exists()  # the configuration's run dir is never touched
     print(proc.stdout[proc.stdout.index("  #") :])
+
+
+def test_the_setup_lines_name_what_breaks_and_the_fix(tmp_path):
+    from trainer.drill import checks
+
+    cfg = load_config(TINY)
+    ck = cfg.checkpoint
+
+    def with_ck(**kw):
+        return dataclasses.replace(cfg, checkpoint=dataclasses.replace(ck, **kw))
+
+    crashes = [{"recomputed": 40, "productive_s": 9.0}, {"recomputed": 70, "productive_s": 11.0}]
+    run = tmp_path / "run"
+    run.mkdir()
+    assert checks.setup(cfg, [], crashes, run) == []  # the tiny config as shipped: nothing to say
+    [line] = checks.setup(with_ck(every_steps=0), [], crashes, run)
+    assert line.startswith("no periodic checkpoint") and "110 steps recomputed over 2 restarts" in line
+    fast = with_ck(every_steps=0, local_dir=str(tmp_path / "local"), local_every_steps=10)
+    lines = checks.setup(fast, [], crashes, run)
+    assert lines[0].startswith("a fast tier only") and lines[1].startswith("fast tier on the same disk")
+    full = [{"event": "checkpoint_failed", "message": "No space left on device"}]
+    [line] = checks.setup(cfg, full, crashes, run)
+    assert "could not be written: No space left on device" in line and "keep_latest (3) + 1" in line
+    [line] = checks.setup(
+        dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, compile_cache="")), [], crashes, run
+    )
+    assert line.startswith("restart 10 s") and "run.compile_cache is off" in line

@@ -211,7 +211,7 @@ def data_and_params(run_dir: Path, ref_dir: Path) -> dict:
     """Exactly-once data (the audit of the drilled run, and its samples step by step against the reference's)
     and the final params hash against the reference's."""
     try:
-        rep, stats = audit.check(run_dir, compare=ref_dir)
+        rep, stats = audit.check(run_dir, compare=ref_dir if (ref_dir / rundir.AUDIT).is_dir() else None)
         problems = rep.problems
     except FileNotFoundError as e:
         problems, stats = [f"no audit log: {e}"], {}

@@ -105,7 +105,10 @@ def _drill(cfg, kinds: list[str], work: Path, args) -> int:
         "undisturbed run of the same steps, after it",
         flush=True,
     )
-    ref = run.reference(cfg, work, limit_s=limit)
+    try:
+        ref = run.reference(cfg, work, limit_s=limit)
+    except run.DrillError as e:  # e.g. the disk the drilled run filled: the checks still say what they can
+        ref = {"wall_s": 0.0, "skips": [], "softened": False, "error": str(e)}
     run_dir, ref_dir = work / "run", work / "reference"
     evs = read_events(run_dir / rundir.EVENTS)
     rows = checks.faults(schedule, run.fired(run_dir), drilled["preempts"], evs)
@@ -160,7 +163,9 @@ def _failed(cfg, drilled: dict, rows: list[dict], dp: dict, gp: dict | None, ref
             out.append(
                 f"{r['kind']} at step {r['step']} was detected ({r['detected_by']}) but the run never got past it"
             )
-    if ref["softened"]:
+    if ref.get("error"):
+        out.append(f"no undisturbed run to compare with: {ref['error']}")
+    elif ref["softened"]:
         out.append(
             "the spike runbook softened the LR: no undisturbed run matches; space spikes wider (runbook.recur_distance)"
         )
