@@ -1040,9 +1040,7 @@ MUTATIONS = [
                 'first = next((e for e in steps if e["time"] > since), None)',
             ),
         ),
-        (
-            "tests/test_drill.py::test_each_fault_is_matched_to_its_detection_and_the_first_step_past_where_the_run_was",
-        ),
+        ("tests/test_drill.py::test_each_fault_is_matched_to_its_detection_and_the_first_step_past_where_the_run_was",),
         catch='crash["productive_s"] == 12.0',
     ),
     M(
