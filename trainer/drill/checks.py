@@ -113,6 +113,13 @@ def faults(plan: list[Planned], fired: list[dict], preempts: list[dict], evs: li
 UNIFORM = {"crash", "hang", "spike", "nan", "bitflip"}
 
 
+def interval_steps(cfg: Config) -> int:
+    """Steps between the checkpoints a crash resumes from: the durable tier's, else the fast tier's (0: none
+    by steps)."""
+    ck = cfg.checkpoint
+    return ck.every_steps or (ck.local_every_steps if ck.local_dir else 0)
+
+
 def goodput(summary: dict, rows: list[dict], cfg: Config, step_s: float) -> dict:
     """The ledger's goodput of the drilled run (its one-time start-up and shutdown left out) against the
     survival model's expectation for the same measured costs: the downtime of every restart, the checkpoint
@@ -122,7 +129,7 @@ def goodput(summary: dict, rows: list[dict], cfg: Config, step_s: float) -> dict
     running = sum(secs.values()) - secs.get("startup", 0.0) - secs.get("shutdown", 0.0)
     uniform = [r for r in rows if r["kind"] in UNIFORM and r["recomputed"] is not None]
     other = sum(r["recomputed"] or 0 for r in rows if r["kind"] not in UNIFORM) * step_s
-    every = cfg.checkpoint.every_steps
+    every = interval_steps(cfg)
     inp = model.Inputs(
         gpus=1,
         mtbf_hours=secs["productive"] / 3600.0 / max(len(uniform), 1e-9),  # exactly len(uniform) failures

@@ -59,10 +59,11 @@ def _kinds(cfg, asked: str) -> list[str]:
 
 def _steps(cfg, cal: dict, minutes: float, mtbf: float, kinds: list[str]) -> int:
     """Steps that make about `minutes` of drilling: each fault costs a start-up, half a checkpoint interval
-    recomputed, and a hang the step timeout besides."""
-    every = cfg.checkpoint.every_steps or cfg.train.steps
-    hangs = sum(k.startswith("hang") for k in kinds) / len(kinds)
-    per_fault = cal["startup_s"] + every * cal["step_s"] / 2 + hangs * cfg.supervisor.step_timeout_s
+    recomputed, and a hang its phase's timeout besides."""
+    every, sc = cfg.checkpoint.every_steps or cfg.train.steps, cfg.supervisor
+    timeout = {"hang": sc.step_timeout_s, "hang_restore": sc.restore_timeout_s, "hang_compile": sc.startup_timeout_s}
+    hangs = sum(timeout.get(k, 0.0) for k in kinds) / len(kinds)  # a hang is found when its phase times out
+    per_fault = cal["startup_s"] + every * cal["step_s"] / 2 + hangs
     work_s = minutes * 60 - cal["startup_s"]
     return max(int(work_s / (cal["step_s"] * (1 + per_fault / mtbf))), 20)
 
@@ -117,7 +118,7 @@ def _drill(cfg, kinds: list[str], work: Path, args) -> int:
     dp = checks.data_and_params(run_dir, ref_dir)
     failed = _failed(cfg, drilled, rows, dp, gp, ref) + checks.setup(cfg, evs, rows, run_dir)
     costs = checks.costs(evs, summary)
-    interval = cfg.checkpoint.every_steps * cal["step_s"] / 60 if cfg.checkpoint.every_steps else None
+    interval = checks.interval_steps(cfg) * cal["step_s"] / 60 or None
     proj = checks.projection(
         costs, gpus=args.gpus, gpu_mtbf_hours=args.gpu_mtbf_hours, days=args.days, interval_min=interval
     )
@@ -142,10 +143,13 @@ def _drill(cfg, kinds: list[str], work: Path, args) -> int:
         "failed": failed,
         "passed": not failed,
     }
-    (work / "drill.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    if evs:
-        page.timeline(evs, rows, work / "drill.png")
     _print(result, rows, gp, dp, proj, drilled, ref)
+    try:
+        (work / "drill.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+        if evs:
+            page.timeline(evs, rows, work / "drill.png")
+    except OSError as e:  # the drill's own directory may be on the disk the drilled run filled
+        print(f"drill: could not write drill.json / drill.png in {work}: {e.strerror}", file=sys.stderr)
     return 0 if not failed else 1
 
 
@@ -178,8 +182,10 @@ def _failed(cfg, drilled: dict, rows: list[dict], dp: dict, gp: dict | None, ref
         out.append(f"data not consumed exactly once: {dp['audit_problems'][0]}")
     if gp is None:
         out.append("no goodput ledger in the drilled run's summary.json")
+    elif drilled["exit_code"] != 0 or not checks.interval_steps(cfg):
+        pass  # an unfinished run's ledger, or no checkpoint to price: the lines above and the setup's say why
     elif not gp["within"]:
-        every = cfg.checkpoint.every_steps
+        every = checks.interval_steps(cfg)
         out.append(
             f"goodput {gp['measured']:.1%} measured vs {gp['predicted']:.1%} expected by the survival model for the "
             f"same costs (more than {checks.GOODPUT_TOLERANCE:.0%} apart): its {gp['uniform_failures']} failures at a "
@@ -201,10 +207,13 @@ def _print(result, rows, gp, dp, proj, drilled, ref) -> None:
         f"drilled run {drilled['wall_s']:.0f} s in {drilled['sessions']} session(s); "
         f"reference {ref['wall_s']:.0f} s, run after it"
     )
-    print(
-        f"params: {str(dp['params_sha256'])[:16]} drilled, {str(dp['reference_sha256'])[:16]} undisturbed: "
-        f"{'equal' if dp['hash_equal'] else 'DIFFERENT'}"
-    )
+    if dp["params_sha256"] and dp["reference_sha256"]:
+        print(
+            f"params: {dp['params_sha256'][:16]} drilled, {dp['reference_sha256'][:16]} undisturbed: "
+            f"{'equal' if dp['hash_equal'] else 'DIFFERENT'}"
+        )
+    else:
+        print("params: no final params to compare (a run did not finish)")
     print(
         f"audit: {'clean' if not dp['audit_problems'] else dp['audit_problems'][0]} ({dp['audit'].get('steps')} steps, "
         f"{dp['audit'].get('compared_steps')} compared with the reference)"
@@ -212,7 +221,7 @@ def _print(result, rows, gp, dp, proj, drilled, ref) -> None:
     if gp:
         print(
             f"goodput: {gp['measured']:.1%} measured, {gp['predicted']:.1%} expected by the survival model for the "
-            f"measured costs ({gp['uniform_failures']} failures at a random step, "
+            f"measured costs (failures at a random step: {gp['uniform_failures']}, "
             f"{gp['recomputed_per_uniform']:.0f} steps recomputed each)"
         )
     print(
@@ -220,7 +229,7 @@ def _print(result, rows, gp, dp, proj, drilled, ref) -> None:
         f"{proj['inputs']['days']:g} days): {proj['expected_failures']:.0f} failures, {proj['wasted_gpu_hours']:,.0f} "
         f"GPU-hours wasted ({proj['verdict']}); best checkpoint interval {proj['best_interval_min']:.1f} min"
     )
-    print(f"results: {result['dir']}/drill.json, {result['dir']}/drill.png")
+    print(f"results: {result['dir']}/drill.json, drill.png")
     if result["failed"]:
         print("\nDRILL FAILED:")
         for line in result["failed"]:
