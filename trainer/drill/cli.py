@@ -188,8 +188,9 @@ def _failed(cfg, drilled: dict, rows: list[dict], dp: dict, gp: dict | None, ref
         every = checks.interval_steps(cfg)
         out.append(
             f"goodput {gp['measured']:.1%} measured vs {gp['predicted']:.1%} expected by the survival model for the "
-            f"same costs (more than {checks.GOODPUT_TOLERANCE:.0%} apart): its {gp['uniform_failures']} failures at a "
-            f"random step recomputed {gp['recomputed_per_uniform']:.0f} steps each where it assumes half an interval "
+            f"same costs (more than {checks.GOODPUT_TOLERANCE:.0%} apart, and {gp['chance_spread_s']:.0f} s beyond "
+            f"chance): its {gp['uniform_failures']} failure(s) at a random step recomputed "
+            f"{gp['recomputed_per_uniform']:.0f} steps each where it assumes half an interval "
             f"({every / 2:g}): a save that takes longer than checkpoint.every_steps to become durable costs more than "
             "the model prices; lengthen the interval or speed up saves"
         )
