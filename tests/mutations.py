@@ -1057,6 +1057,19 @@ MUTATIONS = [
         catch="b - c > rb.recur_distance",
     ),
     M(
+        "restore_phase_at_step_0",
+        "the restore phase reports step 0 whatever it reads: a restore-phase fault armed past 0 never fires",
+        (
+            (
+                "trainer/core/loop.py",
+                '_enter(w, "restore", ([0, *committed_steps(durable_dir(w.run_dir))])[-1])',
+                '_enter(w, "restore", 0)',
+            ),
+        ),
+        ("tests/test_drill.py::test_a_restore_hang_waits_for_a_restore_of_its_step",),
+        catch='[(f["kind"], f["phase"]) for f in fired] == [("crash", "step"), ("hang", "restore")]',
+    ),
+    M(
         "health_from_process_0_only",
         "only process 0 watches its host's health: an ECC rise on another host is never seen",
         (("trainer/observe/alerts.py", "        return [hardware]", "        return []"),),

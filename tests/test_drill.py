@@ -180,3 +180,25 @@ def test_the_setup_lines_name_what_breaks_and_the_fix(tmp_path):
         dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, compile_cache="")), [], crashes, run
     )
     assert line.startswith("restart 10 s") and "run.compile_cache is off" in line
+
+
+@pytest.mark.slow
+def test_a_restore_hang_waits_for_a_restore_of_its_step(tmp_path):
+    """The drill's hang_restore: armed at step 10, it spares the fresh start (whose restore phase finds no
+    checkpoint: step 0) and hangs the restore of the checkpoint (10 or 20) the crash at 25 leaves; the hang is
+    detected and the next restart restores the same checkpoint and goes on to the end."""
+    from conftest import events, run_trainer
+
+    run = tmp_path / "run"
+    faults = "faults=[{kind: crash, step: 25}, {kind: hang, step: 10, phase: restore}]"
+    run_trainer(run, faults, "supervisor.restore_timeout_s=10", "checkpoint.every_steps=10")
+    fired = [json.loads(line) for line in (run / "faults.jsonl").read_text().splitlines()]
+    assert [(f["kind"], f["phase"]) for f in fired] == [("crash", "step"), ("hang", "restore")], fired
+    evs = events(run)
+    [hang] = [e for e in evs if e["event"] == "hang_detected"]  # (a slow fresh start is no hang: 10 s)
+    assert hang["phase"] == "restore" and hang["time"] > fired[1]["time"]
+    # the hang fired in a restore phase that found checkpoint 10 or 20 committed, never in the start's (0); the
+    # next attempt restored 10 or 20 (the newest sealed one: 20's manifest may not have been written)
+    [restored] = [e["step"] for e in evs if e["event"] == "restore"]
+    assert fired[1]["step"] in (10, 20) and 10 <= restored <= fired[1]["step"], (fired, restored)
+    assert evs[-1]["event"] == "run_complete"

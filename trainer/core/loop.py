@@ -26,7 +26,7 @@ from trainer.core.step_log import StepLog
 from trainer.core.worker import Worker, setup, versions
 from trainer.observe import env_vars, outcome, rundir
 from trainer.observe.audit import AuditLog
-from trainer.observe.checkpoint_files import DURABLE
+from trainer.observe.checkpoint_files import DURABLE, committed_steps, durable_dir
 from trainer.observe.event_names import (
     CHECKPOINT_INTERVAL,
     CHECKPOINT_SAVED,
@@ -118,7 +118,9 @@ def _install_signals(w: Worker, flags: Flags) -> None:
 
 
 def _restore_or_init(w: Worker):
-    _enter(w, "restore", 0)
+    # The phase's step is the newest committed durable checkpoint (0: none): what `status` shows while it is
+    # read, and what a restore-phase fault compares with (one at step S fires in a restore of S or later).
+    _enter(w, "restore", ([0, *committed_steps(durable_dir(w.run_dir))])[-1])
     t0 = time.perf_counter()
     restored = w.ckpt.restore_newest(
         w.spec.abstract,
