@@ -95,6 +95,14 @@ def test_each_fault_is_matched_to_its_detection_and_the_first_step_past_where_th
     # the preempted worker ran on to its save (step 20, what the requeued run restores): nothing recomputed
     assert (pre["detected_by"], pre["recomputed"], pre["productive_s"]) == ("preempted", 0, 16.0)
     assert (slow["detected_by"], slow["detect_s"], slow["healed"], slow["productive_s"]) == ("alert", 3.0, True, 30.0)
+    # a preemption at the end: the worker saves the final step and the requeued run completes at once
+    end = [step(s, 100.0 + s) for s in range(1, 21)] + [
+        {"event": "preempted", "by": "supervisor", "time": 121.0},
+        {"event": "restore", "step": 20, "time": 125.0},
+        {"event": "run_complete", "time": 126.0},
+    ]
+    [last] = checks.faults([P("preempt", 19, None)], [], [{"kind": "preempt", "step": 19, "time": 119.5}], end)
+    assert last["healed"] and last["productive_s"] == 6.5 and last["recomputed"] == 0
     # a fault nothing noticed is reported as such
     [lost] = checks.faults(schedule[:1], fired[:1], [], [e for e in evs if e["event"] != "worker_exit"][:11])
     assert lost["detected_by"] is None and not lost["healed"]

@@ -27,6 +27,7 @@ from trainer.observe.event_names import (
     REPLICA_MISMATCH,
     RESTART,
     RESTORE,
+    RUN_COMPLETE,
     SPIKE_DETECTED,
     STEP,
     STRAGGLER,
@@ -96,6 +97,8 @@ def faults(plan: list[Planned], fired: list[dict], preempts: list[dict], evs: li
             # counted from the attempt that restarts (a preempted worker steps on until its save)
             since = start["time"] if start is not None else det["time"]
             first = next((e for e in steps if e["time"] > since and e["step"] > best), None)
+            # ... or the run ended there: a preemption near the end saves the final step, the requeue completes
+            first = first or next((e for e in evs if e["time"] > since and e["event"] == RUN_COMPLETE), None)
             if first is not None:
                 r.update(healed=True, productive_s=first["time"] - t)
             if start is not None:
