@@ -112,7 +112,8 @@ def _drill(cfg, kinds: list[str], work: Path, args) -> int:
         ref = {"wall_s": 0.0, "skips": [], "softened": False, "error": str(e)}
     run_dir, ref_dir = work / "run", work / "reference"
     evs = read_events(run_dir / rundir.EVENTS)
-    rows = checks.faults(schedule, run.fired(run_dir), drilled["preempts"], evs)
+    fired = run.fired(run_dir)
+    rows = checks.faults(schedule, fired, drilled["preempts"], evs)
     summary = rundir.read_json(run_dir / rundir.SUMMARY) or {}
     gp = checks.goodput(summary, rows, cfg, cal["step_s"]) if summary.get("goodput") else None
     dp = checks.data_and_params(run_dir, ref_dir)
@@ -122,7 +123,7 @@ def _drill(cfg, kinds: list[str], work: Path, args) -> int:
     proj = checks.projection(
         costs, gpus=args.gpus, gpu_mtbf_hours=args.gpu_mtbf_hours, days=args.days, interval_min=interval
     )
-    fired_idx = {f["index"] for f in run.fired(run_dir)}
+    fired_idx = {f["index"] for f in fired}
     with_fault = [p for p in schedule if p.fault is not None]
     unfired = [dataclasses.asdict(p) for i, p in enumerate(with_fault) if i not in fired_idx]
     result = {
@@ -143,7 +144,7 @@ def _drill(cfg, kinds: list[str], work: Path, args) -> int:
         "failed": failed,
         "passed": not failed,
     }
-    _print(result, rows, gp, dp, proj, drilled, ref)
+    _print(result)
     try:
         (work / "drill.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
         if evs:
@@ -197,7 +198,9 @@ def _failed(cfg, drilled: dict, rows: list[dict], dp: dict, gp: dict | None, ref
     return out
 
 
-def _print(result, rows, gp, dp, proj, drilled, ref) -> None:
+def _print(result: dict) -> None:
+    rows, gp, dp, proj = result["faults"], result["goodput"], result["data_and_params"], result["projection"]
+    drilled, ref = result["drilled"], result["reference"]
     print()
     print(page.table(rows))
     kinds = sorted({r["kind"] for r in rows})
