@@ -1070,6 +1070,26 @@ MUTATIONS = [
         catch='[(f["kind"], f["phase"]) for f in fired] == [("crash", "step"), ("hang", "restore")]',
     ),
     M(
+        "drill_goodput_forgets_targeted_recompute",
+        "the drill's goodput expectation leaves out what faults aimed at the newest checkpoint recomputed",
+        (
+            (
+                "trainer/drill/checks.py",
+                'predicted_running = secs["productive"] + recompute + other + paid',
+                'predicted_running = secs["productive"] + recompute + paid',
+            ),
+        ),
+        ("tests/test_drill.py::test_goodput_is_compared_with_the_model_on_the_same_measured_costs",),
+        catch='gp["predicted"] == pytest.approx(100 / 144)',
+    ),
+    M(
+        "drill_misses_a_fast_tier_only",
+        "the drill says nothing when only the fast tier saves periodically (a lost node takes every checkpoint)",
+        (("trainer/drill/checks.py", "    elif not durable:", "    elif False:"),),
+        ("tests/test_drill.py::test_the_setup_lines_name_what_breaks_and_the_fix",),
+        catch='lines[0].startswith("a fast tier only")',
+    ),
+    M(
         "health_from_process_0_only",
         "only process 0 watches its host's health: an ECC rise on another host is never seen",
         (("trainer/observe/alerts.py", "        return [hardware]", "        return []"),),
