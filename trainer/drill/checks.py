@@ -23,6 +23,7 @@ from trainer.observe.event_names import (
     CHECKPOINT_SAVED,
     HANG_DETECTED,
     INIT,
+    NODE_SUSPECT,
     PREEMPTED,
     REPLICA_MISMATCH,
     RESTART,
@@ -52,6 +53,7 @@ def _detector(kind: str, hit: str):
         "spike": lambda e: e["event"] == SPIKE_DETECTED,
         "nan": lambda e: e["event"] == SPIKE_DETECTED,
         "bitflip": lambda e: e["event"] == REPLICA_MISMATCH,
+        "node": lambda e: e["event"] == NODE_SUSPECT,  # the lost node blamed (not the survivors)
         "ecc": lambda e: e["event"] == CHECKPOINT_NOW,
         "slow": lambda e: e["event"] == STRAGGLER or (e["event"] == ALERT and e.get("kind") == "throughput_drop"),
     }[kind]
@@ -112,7 +114,8 @@ def faults(plan: list[Planned], fired: list[dict], preempts: list[dict], evs: li
 # Faults that strike at a random point of a checkpoint interval: the survival model's failures, each losing
 # half an interval on average. The others are priced as measured: a preemption saves first, a hang in a
 # restart has nothing new to lose, and crash_after_save, crash_mid_save and corrupt aim at the newest
-# checkpoint on purpose (a full interval or more each, by design).
+# checkpoint on purpose (a full interval or more each, by design); a lost node restores from whichever tier
+# still holds a complete step without it (the fast tier's peer copy, or the durable tier).
 UNIFORM = {"crash", "hang", "spike", "nan", "bitflip"}
 
 

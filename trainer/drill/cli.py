@@ -15,15 +15,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 from trainer.config import ConfigError, load_config
 from trainer.drill import checks, page, plan, run
-from trainer.observe import rundir
+from trainer.observe import env_vars, rundir
 from trainer.observe.events import read_events
-from trainer.supervise import exit_codes
+from trainer.supervise import exit_codes, nodes
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,8 +45,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _kinds(cfg, asked: str) -> list[str]:
-    can, why = plan.available(cfg)
+def _spares(cfg) -> int | None:
+    """Under SLURM (launch.mode slurm, as launch/slurm.sbatch sets it), the allocation's nodes beyond the
+    configuration's; None outside an allocation."""
+    if cfg.launch.mode != "slurm":
+        return None
+    if not os.environ.get(env_vars.SLURM_JOB_ID):
+        raise ConfigError(
+            "launch.mode is slurm but this is not inside a SLURM allocation: run the drill as a job "
+            "(sbatch --nodes=N launch/slurm.sbatch drill --config ...) or with launch.mode=local"
+        )
+    allocated = nodes.hostnames(os.environ.get(env_vars.SLURM_JOB_NODELIST, ""))
+    return len(allocated) - -(-cfg.launch.processes // cfg.launch.processes_per_node)
+
+
+def _kinds(cfg, asked: str, spares: int | None) -> list[str]:
+    can, why = plan.available(cfg, spares)
     if not asked:
         return can
     kinds = [k.strip() for k in asked.split(",") if k.strip()]
@@ -72,7 +87,8 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         cfg = load_config(args.config, args.set)
-        kinds = _kinds(cfg, args.faults)
+        spares = _spares(cfg)
+        kinds = _kinds(cfg, args.faults, spares)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -82,18 +98,26 @@ def main(argv: list[str]) -> int:
         return 2
     work.mkdir(parents=True, exist_ok=True)
     print(f"drill: in {work} (the configuration's run dir {cfg.run.dir} is not touched)", flush=True)
+    if spares is not None:
+        print(
+            f"drill: inside SLURM job {os.environ[env_vars.SLURM_JOB_ID]}: {cfg.launch.processes} processes, "
+            f"{spares} spare node(s); every run goes through srun on the allocation",
+            flush=True,
+        )
     try:
-        return _drill(cfg, kinds, work, args)
+        return _drill(cfg, kinds, work, args, spares or 0)
     except run.DrillError as e:
         print(f"drill: FAILED: {e}", file=sys.stderr)
         return 1
 
 
-def _drill(cfg, kinds: list[str], work: Path, args) -> int:
+def _drill(cfg, kinds: list[str], work: Path, args, spares: int) -> int:
     cal = run.calibrate(cfg, work)
     steps = _steps(cfg, cal, args.minutes, args.mtbf, kinds)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps, stop_at_step=0))
-    schedule = plan.schedule(cfg, steps=steps, step_s=cal["step_s"], mtbf_s=args.mtbf, kinds=kinds, seed=args.seed)
+    schedule = plan.schedule(
+        cfg, steps=steps, step_s=cal["step_s"], mtbf_s=args.mtbf, kinds=kinds, seed=args.seed, spares=spares
+    )
     print(
         f"drill: calibrated {cal['step_s'] * 1e3:.0f} ms a step, start-up {cal['startup_s']:.1f} s; {steps} steps, "
         f"{len(schedule)} faults planned ({', '.join(sorted({p.kind for p in schedule}))}), seed {args.seed}",
@@ -132,6 +156,8 @@ def _drill(cfg, kinds: list[str], work: Path, args) -> int:
         "steps": steps,
         "seed": args.seed,
         "mtbf_s": args.mtbf,
+        "launch": cfg.launch.mode,
+        "spare_nodes": spares,
         "kinds": kinds,
         "planned": plan.as_dicts(schedule),
         "faults": rows,
@@ -186,15 +212,25 @@ def _failed(cfg, drilled: dict, rows: list[dict], dp: dict, gp: dict | None, ref
     elif drilled["exit_code"] != 0 or not checks.interval_steps(cfg):
         pass  # an unfinished run's ledger, or no checkpoint to price: the lines above and the setup's say why
     elif not gp["within"]:
-        every = checks.interval_steps(cfg)
-        out.append(
+        every, rc = checks.interval_steps(cfg), gp["recompute_s"]
+        priced = rc["model_uniform"] + rc["measured_other"]
+        line = (
             f"goodput {gp['measured']:.1%} measured vs {gp['predicted']:.1%} expected by the survival model for the "
-            f"same costs (more than {checks.GOODPUT_TOLERANCE:.0%} apart, and {gp['chance_spread_s']:.0f} s beyond "
-            f"chance): its {gp['uniform_failures']} failure(s) at a random step recomputed "
-            f"{gp['recomputed_per_uniform']:.0f} steps each where it assumes half an interval "
-            f"({every / 2:g}): a save that takes longer than checkpoint.every_steps to become durable costs more than "
-            "the model prices; lengthen the interval or speed up saves"
+            f"same costs (more than {checks.GOODPUT_TOLERANCE:.0%} apart, beyond the {gp['chance_spread_s']:.0f} s "
+            f"chance allows): {rc['measured']:.0f} s recomputed where it prices {priced:.0f} s"
         )
+        if gp["uniform_failures"] and gp["recomputed_per_uniform"] > every / 2:
+            line += (
+                f": its {gp['uniform_failures']} failure(s) at a random step recomputed "
+                f"{gp['recomputed_per_uniform']:.0f} steps each where it assumes half an interval ({every / 2:g}): a "
+                "save that takes longer than checkpoint.every_steps to become durable costs more than the model "
+                "prices; lengthen the interval or speed up saves"
+            )
+        elif rc["measured"] > priced:
+            line += " (the steps redone after each restart ran slower than the calibrated step)"
+        else:
+            line += f" (its {gp['uniform_failures']} failure(s) lost less than half an interval each, beyond chance)"
+        out.append(line)
     return out
 
 

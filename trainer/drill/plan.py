@@ -28,8 +28,10 @@ KINDS = {
     "ecc": "a host's ECC error count rises: checkpoint now",
     "slow": "one process's host work slows 3x for 20 steps",
     "bitflip": "one replica's params get a flipped bit (silent data corruption): caught and rewound",
+    "node": "a whole node lost (its processes, slurmd and node-local tier at once); a spare takes its place",
 }
 RESTARTS = {"crash", "crash_after_save", "hang", "crash_mid_save", "corrupt", "preempt", "spike", "nan", "bitflip"}
+RESTARTS |= {"node"}
 AFTER_RESTART = {"hang_restore", "hang_compile"}  # fire in the restart that follows an earlier failure
 CORRUPTIONS = ("flip", "truncate", "torn")
 SLOW_STEPS, SLOW_MULTIPLE = 20, 3.0
@@ -42,9 +44,16 @@ class Planned:
     fault: dict | None  # the trainer's `faults` entry; None for preempt (the drill sends it)
 
 
-def available(cfg: Config) -> tuple[list[str], dict[str, str]]:
-    """The kinds this configuration can be drilled with here, and why each other one is left out."""
+def available(cfg: Config, spares: int | None = None) -> tuple[list[str], dict[str, str]]:
+    """The kinds this configuration can be drilled with here, and why each other one is left out. `spares`:
+    the allocation's nodes beyond the configuration's (None: not inside a SLURM allocation)."""
     out: dict[str, str] = {}
+    if spares is None or cfg.launch.mode != "slurm":
+        out["node"] = "not inside a SLURM allocation (sbatch launch/slurm.sbatch drill ...): no node to lose"
+    elif cfg.launch.processes <= cfg.launch.processes_per_node:
+        out["node"] = "one node trains: losing it loses the drill too; drill with launch.processes over 2 nodes"
+    elif spares < 1:
+        out["node"] = "no spare node in the allocation: a lost node could not be replaced; allocate one more"
     if not cfg.integrity.replica_check_steps:
         out["bitflip"] = "integrity.replica_check_steps is 0: nothing would look for a flipped bit"
     if not cfg.runbook.enabled:
@@ -56,13 +65,16 @@ def available(cfg: Config) -> tuple[list[str], dict[str, str]]:
     return [k for k in KINDS if k not in out], out
 
 
-def schedule(cfg: Config, *, steps: int, step_s: float, mtbf_s: float, kinds: list[str], seed: int) -> list[Planned]:
+def schedule(
+    cfg: Config, *, steps: int, step_s: float, mtbf_s: float, kinds: list[str], seed: int, spares: int = 0
+) -> list[Planned]:
     """Faults over `steps` steps: exponential gaps of mean `mtbf_s` seconds of training (`step_s` a step),
     none in the first 3 steps or the last 3, at most one a step. Kinds drawn uniformly from `kinds`, except
     where one cannot land: a hang in a restart needs an earlier failure; a slowdown, the pace before it; a
     spike needs the runbook's warm-up
     behind it and a gap of runbook.recur_distance from any other spike or NaN (a recurrence would soften
-    the LR, which no undisturbed run can match); ECC fires once (its alert stays open)."""
+    the LR, which no undisturbed run can match); ECC fires once (its alert stays open); a node is lost at most
+    once per spare (SLURM marks it down for good), never the first node's (the drill runs there)."""
     rng = random.Random(seed)
     plan: list[Planned] = []
     every = cfg.checkpoint.every_steps
@@ -89,6 +101,7 @@ def schedule(cfg: Config, *, steps: int, step_s: float, mtbf_s: float, kinds: li
             and not (k == "spike" and (step < spike_from or step - last_rewind <= cfg.runbook.recur_distance))
             and not (k == "nan" and step - last_rewind <= cfg.runbook.recur_distance)
             and not (k == "ecc" and any(p.kind == "ecc" for p in plan))
+            and not (k == "node" and sum(p.kind == "node" for p in plan) >= spares)
             and not (k == "slow" and step < slow_from(last_failure))
             and not (k == "crash_after_save" and (step // every + 1) * every + 1 >= steps - 3)
         ]
@@ -112,6 +125,8 @@ def schedule(cfg: Config, *, steps: int, step_s: float, mtbf_s: float, kinds: li
             fault.update(count=SLOW_STEPS, step_multiple=SLOW_MULTIPLE)
         elif kind == "preempt":
             fault = None
+        elif kind == "node":  # a process past the first node's: the drill and the supervisor live there
+            fault["process"] = rng.randrange(cfg.launch.processes_per_node, cfg.launch.processes)
         if kind in ("spike", "nan"):
             last_rewind = step
         if kind in RESTARTS:

@@ -24,7 +24,7 @@ from trainer.observe.heartbeat import heartbeat_path
 from trainer.observe.heartbeat import read as read_heartbeat
 from trainer.supervise import exit_codes
 
-CALIBRATION_STEPS = 30
+CALIBRATION_STEPS = 20
 POLL_S = 0.2
 
 
