@@ -21,7 +21,7 @@ MINUTES = 1.0  # the drill's --minutes: enough steps for the window whatever the
 
 def _plan(quick: bool) -> tuple[int, int, float, int]:
     """(warm-up steps, measured steps, slice seconds, pairs)."""
-    return (5, 10, 1.0, 1) if quick else (20, 150, 2.5, 6)
+    return (5, 10, 1.0, 1) if quick else (20, 100, 2.5, 6)
 
 
 def _at(run_dir: Path, step: int):

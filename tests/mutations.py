@@ -1129,4 +1129,37 @@ MUTATIONS = [
         ("tests/test_node_loss.py::test_a_straggler_node_is_drained_onto_the_spare_and_the_run_ends_identical",),
         catch='assert [s["nodes"] for s in starts] == [["n1", "n2"], ["n1", "n3"]], starts',
     ),
+    M(
+        "drill_loses_the_drills_own_node",
+        "the drill's node loss may pick a process on the first node, where the drill and the supervisor run",
+        (
+            (
+                "trainer/drill/plan.py",
+                "rng.randrange(cfg.launch.processes_per_node, cfg.launch.processes)",
+                "rng.randrange(0, cfg.launch.processes)",
+            ),
+        ),
+        ("tests/test_drill.py::test_the_schedule_is_seeded_poisson_and_lands_each_kind_where_it_can",),
+        catch='f["process"] in (2, 3) for f in lost',
+    ),
+    M(
+        "drill_loses_more_nodes_than_spares",
+        "the drill plans node losses beyond the allocation's spares: the run cannot keep its size",
+        (
+            (
+                "trainer/drill/plan.py",
+                '            and not (k == "node" and sum(p.kind == "node" for p in plan) >= spares)\n',
+                "",
+            ),
+        ),
+        ("tests/test_drill.py::test_the_schedule_is_seeded_poisson_and_lands_each_kind_where_it_can",),
+        catch="assert len(lost) == 2",
+    ),
+    M(
+        "drill_node_loss_seen_as_any_exit",
+        "the drill takes any worker exit for a node loss's detection, not the supervisor blaming the node",
+        (("trainer/drill/checks.py", 'e["event"] == NODE_SUSPECT,', 'e["event"] == WORKER_EXIT,'),),
+        ("tests/test_drill.py::test_a_drill_inside_a_slurm_allocation_loses_a_node_and_passes",),
+        catch='node["detected_by"] == "node_suspect"',
+    ),
 ]
