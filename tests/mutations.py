@@ -1162,4 +1162,40 @@ MUTATIONS = [
         ("tests/test_drill.py::test_a_drill_inside_a_slurm_allocation_loses_a_node_and_passes",),
         catch='node["detected_by"] == "node_suspect"',
     ),
+    M(
+        "corrupt_spares_the_fast_tier",
+        "the corrupt fault hits the newest durable checkpoint even where a newer local one is what the restart reads",
+        (
+            (
+                "trainer/supervise/faults.py",
+                "corrupt.newest(self._run_dir, f.how, local)",
+                "corrupt.newest(self._run_dir, f.how)",
+            ),
+        ),
+        ("tests/test_drill.py::test_a_corrupt_fault_hits_the_checkpoint_the_restart_reads_first",),
+        catch='fired["hit"].startswith("local:15/state/")',
+    ),
+    M(
+        "full_disk_stops_at_once",
+        "the supervisor gives up on a full disk at once, never waiting for room (nor seeing there is some)",
+        (
+            (
+                "trainer/supervise/storage.py",
+                "    need, have = room_needed(run_dir), free_bytes(run_dir)\n",
+                "    return False\n",
+            ),
+        ),
+        (
+            "tests/test_drill.py::test_a_disk_full_fault_fails_its_save_and_the_run_restarts_when_there_is_room",
+            "tests/test_integrity.py::test_no_room_within_the_wait_stops_the_run_for_a_human",
+        ),
+        catch="",
+    ),
+    M(
+        "disk_full_never_injected",
+        "the disk_full fault is recorded but the save it names goes through",
+        (("trainer/core/loop.py", "        w.ckpt.durable.inject = OSError(", "        _ = OSError("),),
+        ("tests/test_drill.py::test_a_disk_full_fault_fails_its_save_and_the_run_restarts_when_there_is_room",),
+        catch="[failed] = [e for e in evs",
+    ),
 ]

@@ -224,6 +224,43 @@ def test_a_restore_hang_waits_for_a_restore_of_its_step(tmp_path):
     assert evs[-1]["event"] == "run_complete"
 
 
+@pytest.mark.slow
+def test_a_disk_full_fault_fails_its_save_and_the_run_restarts_when_there_is_room(tmp_path, reference_run):
+    """The drill's disk_full: armed at step 12, the next durable save (15) fails as a full disk fails it (the
+    worker's checkpoint_failed, exit 81); the supervisor finds room for one more checkpoint at once (the disk
+    is not really full) and restarts from 10 without waiting; the run ends as the undisturbed one."""
+    from conftest import events, run_trainer, summary
+
+    run = tmp_path / "run"
+    run_trainer(run, "checkpoint.every_steps=5", "faults=[{kind: disk_full, step: 12}]")
+    evs = events(run)
+    [failed] = [e for e in evs if e["event"] == "checkpoint_failed"]
+    assert failed["step"] == 15 and "the disk is full" in failed["message"] and "injected" in failed["message"]
+    assert [(e["reason"], e["step"]) for e in evs if e["event"] == "restart"] == [("disk full", 15)]
+    assert not [e for e in evs if e["event"] == "alert" and e.get("kind") == "disk_full"]  # room at once
+    assert [e["step"] for e in evs if e["event"] == "restore"] == [10] and evs[-1]["event"] == "run_complete"
+    assert summary(run)["params_sha256"] == summary(reference_run())["params_sha256"]
+
+
+@pytest.mark.slow
+def test_a_corrupt_fault_hits_the_checkpoint_the_restart_reads_first(tmp_path, reference_run):
+    """With a fast tier, the newest checkpoint a restart reads is the local one: the corrupt fault at step 19
+    flips bytes in local step 15 (sealed by then: steps 16-18 slowed), not durable 10, which no restart would
+    read; the restart rejects it and resumes from durable 10; the run ends as the undisturbed one."""
+    from conftest import events, run_trainer, summary
+
+    run = tmp_path / "run"
+    local = [f"checkpoint.local_dir={tmp_path / 'local'}", "checkpoint.local_every_steps=5"]
+    faults = "faults=[{kind: slow, step: 16, seconds: 0.5, count: 3}, {kind: corrupt, step: 19, how: flip}]"
+    run_trainer(run, *local, faults)
+    [_, fired] = [json.loads(line) for line in (run / "faults.jsonl").read_text().splitlines()]
+    assert fired["hit"].startswith("local:15/state/"), fired
+    evs = events(run)
+    assert [(e["step"], e["tier"]) for e in evs if e["event"] == "checkpoint_rejected"] == [(15, "local")]
+    assert [(e["step"], e["tier"]) for e in evs if e["event"] == "restore"] == [(10, "durable")]
+    assert summary(run)["params_sha256"] == summary(reference_run())["params_sha256"]
+
+
 def test_goodput_is_compared_with_the_model_on_the_same_measured_costs():
     """Two crashes at a random step losing 25 and 35 steps of a 50-step interval (the model: 25 each), one
     corrupt checkpoint losing 70 (priced as measured); 0.1 s steps."""

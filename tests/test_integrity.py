@@ -389,16 +389,22 @@ def test_heartbeats_and_pulses_survive_a_full_disk(tmpfs):
 
 
 @pytest.mark.slow
-def test_a_full_disk_stops_the_run_clearly_and_the_same_command_resumes(tmpfs, reference_run):
+def test_a_full_disk_is_waited_out_and_the_run_resumes_on_its_own(tmpfs, reference_run):
+    """The disk fills in a save: the supervisor does not restart into it (a restart would fail again at its next
+    save) but waits for room for one more checkpoint, saying so; once there is room (here the test frees it),
+    it restarts from the newest sealed checkpoint by itself and the run ends as the undisturbed one."""
     ref = reference_run()
-    run = tmpfs / "run"
+    run, log = tmpfs / "run", tmpfs.parent / "run.log"
     filler = _fill(tmpfs, 5)  # a micro checkpoint is ~1.8 MB: two fit, the third fills the disk mid-write
-    t0 = time.time()
-    proc = run_trainer(run, "checkpoint.every_steps=5", check=False, timeout=300)
-    assert proc.returncode == exit_codes.STORAGE, proc.stderr[-3000:]
-    assert time.time() - t0 < 240  # stopped at once: no restarts into a full disk
-    assert "the disk is full" in proc.stderr and "rerun the same command" in proc.stderr
-    assert "giving up (checkpoint storage failed)" in proc.stderr
+    cmd = trainer_cmd(run, "checkpoint.every_steps=5", "supervisor.storage_wait_minutes=5")
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=fh, stderr=subprocess.STDOUT)
+    deadline = time.time() + 240
+    while "waiting up to 5 min for room" not in log.read_text() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    text = log.read_text()
+    assert proc.poll() is None and "the checkpoint disk is full" in text, text[-3000:]
+    assert "the disk is full" in text  # the worker's message: which checkpoint, where, what to do
     failed = [(e["tier"], "the disk is full" in e["message"]) for e in _of(run, "checkpoint_failed")]
     assert failed == [("durable", True)], "no checkpoint_failed event"
     kept = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
@@ -408,11 +414,37 @@ def test_a_full_disk_stops_the_run_clearly_and_the_same_command_resumes(tmpfs, r
     good = [s for s in kept if manifest.sealed(run / "checkpoints" / str(s))]
     assert good and all(manifest.verify(run / "checkpoints" / str(s)) is None for s in good), kept
     assert set(kept) - set(good) <= {s for s in kept if s > good[-1]}, (kept, good)
+    time.sleep(2.5)  # still waiting (a poll or more later): no restart into the full disk
+    assert not _of(run, "restart") and proc.poll() is None
     filler.unlink()
-    run_trainer(run, "checkpoint.every_steps=5")  # the same command, with space
+    assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
+    [cleared] = [e for e in _of(run, "alert_cleared") if e["kind"] == "disk_full"]
+    assert cleared["waited_s"] >= 2.5 and [e["reason"] for e in _of(run, "restart")] == ["disk full"]
     assert [e["step"] for e in _of(run, "restore")][-1] == good[-1]
     assert sorted(e["step"] for e in _of(run, "checkpoint_rejected")) == sorted(set(kept) - set(good))
     _same_as(run, ref)
+
+
+def test_no_room_within_the_wait_stops_the_run_for_a_human(tmpfs):
+    """The supervisor's wait on its own: no room in supervisor.storage_wait_minutes, it gives up (the run stops
+    with exit 81 and the worker's message); room within it, it goes on; a preemption ends the wait."""
+    from trainer.supervise import storage
+
+    run = tmpfs / "run"
+    run.mkdir()
+    filler, written = _fill(tmpfs, 0.5), []  # no checkpoint yet: one needs storage.MIN_ROOM (1 MiB)
+    t0 = time.monotonic()
+    assert not storage.wait_for_room(run, 0.05, lambda *a, **k: written.append((a, k)), step=5, stop=lambda: False)
+    assert time.monotonic() - t0 >= 3 and written[0][1]["kind"] == "disk_full", written  # 0.05 min waited
+    t0 = time.monotonic()
+    assert not storage.wait_for_room(run, 5, lambda *a, **k: None, step=5, stop=lambda: True)
+    assert time.monotonic() - t0 < 10
+    assert not storage.wait_for_room(run, 0, lambda *a, **k: None, step=5, stop=lambda: False)  # 0: never wait
+    import threading
+
+    threading.Timer(1.0, filler.unlink).start()
+    assert storage.wait_for_room(run, 1, lambda *a, **k: written.append((a, k)), step=5, stop=lambda: False)
+    assert written[-1][0][0] == "alert_cleared" and written[-1][1]["free_bytes"] >= storage.MIN_ROOM
 
 
 # --- several processes: every process verifies its share, all agree before anything moves -----------------

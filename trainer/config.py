@@ -170,6 +170,9 @@ class SupervisorConfig:
     checkpoint_timeout_s: float = 600.0
     eval_timeout_s: float = 600.0  # heartbeat silence allowed during a held-out eval (eval.every_steps)
     poll_s: float = 0.5
+    # a checkpoint that could not be written for want of space: wait this long for room for one more (an alert
+    # meanwhile), then restart from the newest checkpoint; 0 = stop at once for a human (exit 81)
+    storage_wait_minutes: float = 30.0
 
 
 @dataclass

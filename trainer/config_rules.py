@@ -25,7 +25,7 @@ MODEL_CHOICES = {
 
 # faults[].kind and faults[].phase (where hang and slow fire); trainer.supervise.faults fires them
 FAULT_KINDS = tuple(
-    "crash hang crash_mid_save slow hog slow_save signal ecc nan spike bitflip startup node corrupt".split()
+    "crash hang crash_mid_save slow hog slow_save signal ecc nan spike bitflip startup node corrupt disk_full".split()
 )
 CORRUPT_HOW = ("flip", "truncate", "torn")  # faults[].how for corrupt (trainer.supervise.corrupt)
 FAULT_PHASES = ("step", "startup", "restore", "compile", "checkpoint", "eval")
@@ -54,7 +54,8 @@ _NON_NEGATIVE = (
     "model.d_ff model.n_kv_heads train.z_loss optim.warmup_steps train.stop_at_step checkpoint.every_steps "
     "checkpoint.keep_every checkpoint.auto_devices mesh.cpu_devices checkpoint.local_every_steps "
     "checkpoint.local_every_minutes integrity.replica_check_steps log.peak_flops data.prefetch "
-    "supervisor.max_restarts eval.every_steps launch.suspect_retry_minutes launch.cpus_per_process"
+    "supervisor.max_restarts eval.every_steps launch.suspect_retry_minutes launch.cpus_per_process "
+    "supervisor.storage_wait_minutes"
 ).split()
 
 

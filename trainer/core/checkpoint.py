@@ -149,6 +149,7 @@ class Checkpointer:
         # Manifest identity: a local checkpoint is one process's own; a durable one is shared by all.
         self.writer, self.writers = (0, 1) if local else (jax.process_index(), jax.process_count())
         self.failure: str | None = None  # set when a save could not be written
+        self.inject: OSError | None = None  # the disk_full fault: the next save fails with it, as a full disk does
         self._sealer: threading.Thread | None = None
         self._pinned = pinned
         extra: dict = {}
@@ -211,6 +212,8 @@ class Checkpointer:
         else:
             state_arg = ocp.args.StandardSave(state)
         try:
+            if self.inject is not None:
+                raise self.inject
             self.manager.save(
                 step,
                 force=True,

@@ -7,6 +7,7 @@ except one step behind.
 
 from __future__ import annotations
 
+import errno
 import faulthandler
 import os
 import signal
@@ -304,6 +305,8 @@ def _meta(w: Worker) -> dict:
 def _save(w: Worker, st, step: int, reason: str, tier: str) -> float | None:
     """Start a save into one tier: its blocking seconds, or None when a durable save could not be written."""
     _enter(w, "checkpoint", step)
+    if tier == DURABLE and w.faults.disk_full(step):
+        w.ckpt.durable.inject = OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected: disk_full fault)")
     try:
         blocking = w.ckpt.save(step, st, {"next_index": step}, _meta(w), tier=tier)
     except checkpoint.SaveFailed:

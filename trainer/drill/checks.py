@@ -53,7 +53,8 @@ def _detector(kind: str, hit: str):
         "spike": lambda e: e["event"] == SPIKE_DETECTED,
         "nan": lambda e: e["event"] == SPIKE_DETECTED,
         "bitflip": lambda e: e["event"] == REPLICA_MISMATCH,
-        "node": lambda e: e["event"] == NODE_SUSPECT,  # the lost node blamed (not the survivors)
+        "node": lambda e: e["event"] == NODE_SUSPECT,
+        "disk_full": lambda e: e["event"] == CHECKPOINT_FAILED,  # the lost node blamed (not the survivors)
         "ecc": lambda e: e["event"] == CHECKPOINT_NOW,
         "slow": lambda e: e["event"] == STRAGGLER or (e["event"] == ALERT and e.get("kind") == "throughput_drop"),
     }[kind]
@@ -113,9 +114,10 @@ def faults(plan: list[Planned], fired: list[dict], preempts: list[dict], evs: li
 
 # Faults that strike at a random point of a checkpoint interval: the survival model's failures, each losing
 # half an interval on average. The others are priced as measured: a preemption saves first, a hang in a
-# restart has nothing new to lose, and crash_after_save, crash_mid_save and corrupt aim at the newest
-# checkpoint on purpose (a full interval or more each, by design); a lost node restores from whichever tier
-# still holds a complete step without it (the fast tier's peer copy, or the durable tier).
+# restart has nothing new to lose, crash_after_save, crash_mid_save and corrupt aim at the newest checkpoint
+# on purpose (a full interval or more each, by design), a full disk fails a save (the interval before it is
+# lost), and a lost node restores from whichever tier still holds a complete step without it (the fast
+# tier's peer copy, or the durable tier).
 UNIFORM = {"crash", "hang", "spike", "nan", "bitflip"}
 
 

@@ -28,10 +28,11 @@ KINDS = {
     "ecc": "a host's ECC error count rises: checkpoint now",
     "slow": "one process's host work slows 3x for 20 steps",
     "bitflip": "one replica's params get a flipped bit (silent data corruption): caught and rewound",
+    "disk_full": "a durable save finds the disk full (ENOSPC, injected): the supervisor waits for room, restarts",
     "node": "a whole node lost (its processes, slurmd and node-local tier at once); a spare takes its place",
 }
 RESTARTS = {"crash", "crash_after_save", "hang", "crash_mid_save", "corrupt", "preempt", "spike", "nan", "bitflip"}
-RESTARTS |= {"node"}
+RESTARTS |= {"node", "disk_full"}
 AFTER_RESTART = {"hang_restore", "hang_compile"}  # fire in the restart that follows an earlier failure
 CORRUPTIONS = ("flip", "truncate", "torn")
 SLOW_STEPS, SLOW_MULTIPLE = 20, 3.0
@@ -62,6 +63,10 @@ def available(cfg: Config, spares: int | None = None) -> tuple[list[str], dict[s
         out["ecc"] = "log.health is false: no health monitor reads ECC counts"
     if not cfg.checkpoint.every_steps:
         out["crash_after_save"] = "checkpoint.every_steps is 0: no periodic save to crash after"
+    if not (cfg.checkpoint.every_steps or cfg.checkpoint.every_minutes):
+        out["disk_full"] = "no periodic durable save: none to find the disk full"
+    elif not cfg.supervisor.storage_wait_minutes:
+        out["disk_full"] = "supervisor.storage_wait_minutes is 0: a full disk stops the run for a human"
     return [k for k in KINDS if k not in out], out
 
 

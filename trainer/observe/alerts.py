@@ -57,6 +57,13 @@ ALERTS = {
         "look at that host (its health line in `status`, its CPU, its input pipeline, a noisy neighbour); with "
         "straggler.action=drain under SLURM with a spare, the supervisor checkpoints and restarts without it",
     ),
+    "disk_full": (
+        "a checkpoint could not be written for want of space: until there is room, no new checkpoint protects "
+        "the run, and a restart would fail again at its next save",
+        "free space on the checkpoint filesystem (other jobs' files, old runs, a larger quota) or lower "
+        "checkpoint.keep_latest; the supervisor restarts from the newest checkpoint once one more fits, and stops "
+        "(exit 81) after supervisor.storage_wait_minutes",
+    ),
     "step_overdue": (
         "no heartbeat progress for a long time: a hang (a collective waiting on a dead or stuck rank), a very "
         "slow checkpoint or a stuck input pipeline",

@@ -1,6 +1,7 @@
 """The `corrupt` fault: what storage or a kill can do to a checkpoint after it was committed, done to the newest
-sealed durable checkpoint just before the worker crashes. Its restart must reject that checkpoint (its
-manifest's checksums, or Orbax failing to read it), set it aside and resume from the one before.
+sealed checkpoint just before the worker crashes: the one its restart reads first (the fast tier's copy, at a
+step both tiers hold or a newer one). The restart must reject that checkpoint (its manifest's checksums, or
+Orbax failing to read it), set it aside and resume from another copy or the one before.
 """
 
 from __future__ import annotations
@@ -42,11 +43,14 @@ def torn(step_dir: Path) -> str:
 HOW = {"flip": flip, "truncate": truncate, "torn": torn}
 
 
-def newest(run_dir: Path, how: str) -> str:
-    """Corrupt the newest sealed durable checkpoint of the run `how` says; returns what was hit ("" when the
-    run has no sealed checkpoint yet: then there is nothing to corrupt and the fault is only a crash)."""
-    root = checkpoint_files.durable_dir(run_dir)
-    steps = checkpoint_files.sealed_steps(root)
-    if not steps:
+def newest(run_dir: Path, how: str, local: Path | None = None) -> str:
+    """Corrupt the newest sealed checkpoint of the run `how` says: the durable tier's, or this process's fast-tier
+    folder's (`local`) when it holds that step or a newer one. Returns what was hit ("" when the run has no
+    sealed checkpoint yet: then there is nothing to corrupt and the fault is only a crash)."""
+    roots = [checkpoint_files.durable_dir(run_dir), *([local] if local is not None else [])]
+    found = [(s, i, root) for i, root in enumerate(roots) for s in checkpoint_files.sealed_steps(root)[-1:]]
+    if not found:
         return ""
-    return f"{steps[-1]}/{HOW[how](root / str(steps[-1]))}"
+    step, tier, root = max(found)  # at one step the local copy (restored first)
+    hit = f"{step}/{HOW[how](root / str(step))}"
+    return f"local:{hit}" if tier else hit

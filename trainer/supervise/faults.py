@@ -110,7 +110,8 @@ class FaultInjector:
             self._record(f, step)
             os._exit(CRASH_EXIT)
         if f := self._pending("corrupt", step):
-            self._record(f, step, hit=corrupt.newest(self._run_dir, f.how))
+            local = self.node_local / f"process_{self.process}" if self.node_local else None
+            self._record(f, step, hit=corrupt.newest(self._run_dir, f.how, local))
             os._exit(CRASH_EXIT)
         if f := self._pending("signal", step):
             self._record(f, step)
@@ -178,6 +179,14 @@ class FaultInjector:
                 self._record(f, step)
                 return float("nan") if f.kind == "nan" else base * f.scale
         return base
+
+    def disk_full(self, step: int) -> bool:
+        """Whether this durable save, the first at or after the fault's step, finds the disk full (the
+        checkpointer then fails it as the filesystem would: trainer.core.checkpoint.Checkpointer.inject)."""
+        f = self._pending("disk_full", step, open_ended=True)
+        if f is not None:
+            self._record(f, step)
+        return f is not None
 
     def bitflip(self, step: int) -> bool:
         """Whether to flip one bit in one replica's params before the update at `step` (silent data corruption:

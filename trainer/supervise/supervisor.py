@@ -37,7 +37,7 @@ from trainer.observe.event_names import (
     WORKER_START,
 )
 from trainer.observe.events import EventLog, read_events
-from trainer.supervise import exit_codes, group, hang, launcher, replica_rewind, runbook, straggler
+from trainer.supervise import exit_codes, group, hang, launcher, replica_rewind, runbook, storage, straggler
 from trainer.supervise.noise import is_library_noise
 
 
@@ -286,9 +286,12 @@ class Supervisor:
                     self._write_ledger(t0, restarts)
                     return exit_codes.RUNBOOK_GAVE_UP
                 continue
-            if code == exit_codes.STORAGE:  # a restart would only fail again: the tail says why and what to do
+            if code == exit_codes.STORAGE and not storage.wait_for_room(  # room for one more, or a human
+                self.run_dir, self.sc.storage_wait_minutes, self.events.write, step=step, stop=self._stopping
+            ):
                 return self._give_up(code, step, "a checkpoint could not be written", att, t0, restarts)
             reason = "hang" if att.hang else f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            reason = "disk full" if code == exit_codes.STORAGE else reason
             if code == exit_codes.REPLICA_MISMATCH:  # silent data corruption: back to a checked state, then restart
                 nodes = [(hb or {}).get("node", "") for hb in self._heartbeats(att)]
                 line, culprit = replica_rewind.rewind(self.run_dir, self.events.write, tag=number, nodes=nodes)
@@ -325,6 +328,9 @@ class Supervisor:
             )
             time.sleep(delay)
 
+    def _stopping(self) -> bool:
+        return self.stop_signal is not None
+
     def _on_signal(self, signum, frame) -> None:
         if self.stop_signal is None:
             self.stop_signal = signum
@@ -338,7 +344,8 @@ class Supervisor:
         except OSError as e:  # a full disk (exit STORAGE) must not hide the message below behind a traceback
             print(f"supervisor: could not write the goodput ledger: {e}", file=sys.stderr)
         why = (
-            f"at step {step} {reason}; restarting would not help"
+            f"at step {step} {reason} and no room for one more came in supervisor.storage_wait_minutes "
+            f"({self.sc.storage_wait_minutes:g})"
             if code == exit_codes.STORAGE
             else f"the worker keeps failing at step {step} ({reason}) after {restarts} restarts"
         )
