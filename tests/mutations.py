@@ -1198,4 +1198,11 @@ MUTATIONS = [
         ("tests/test_drill.py::test_a_disk_full_fault_fails_its_save_and_the_run_restarts_when_there_is_room",),
         catch="[failed] = [e for e in evs",
     ),
+    M(
+        "drill_blames_the_setup_for_its_own_disk_full",
+        "the drill's setup check takes its own injected disk_full failures for a disk too small",
+        (("trainer/drill/checks.py", ' and "(injected" not in e.get("message", "")]', "]"),),
+        ("tests/test_drill.py::test_the_setup_lines_name_what_breaks_and_the_fix",),
+        catch="assert checks.setup(cfg, injected, crashes, run) == []",
+    ),
 ]

@@ -196,6 +196,8 @@ def test_the_setup_lines_name_what_breaks_and_the_fix(tmp_path):
     full = [{"event": "checkpoint_failed", "message": "No space left on device"}]
     [line] = checks.setup(cfg, full, crashes, run)
     assert "could not be written: No space left on device" in line and "keep_latest (3) + 1" in line
+    injected = [{"event": "checkpoint_failed", "message": "No space left on device (injected: disk_full fault)"}]
+    assert checks.setup(cfg, injected, crashes, run) == []  # the drill's own disk_full: no setup problem
     [line] = checks.setup(
         dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, compile_cache="")), [], crashes, run
     )

@@ -198,7 +198,8 @@ def setup(cfg: Config, evs: list[dict], rows: list[dict], run_dir: Path) -> list
             f"fast tier on the same disk as durable ({ck.local_dir} and {run_dir}): a node loss loses both; "
             "put checkpoint.local_dir on the node's own RAM disk or NVMe"
         )
-    failed = [e for e in evs if e["event"] == CHECKPOINT_FAILED]
+    # (a disk_full fault's failure is the drill's own: trainer.core.loop says "injected" in its message)
+    failed = [e for e in evs if e["event"] == CHECKPOINT_FAILED and "(injected" not in e.get("message", "")]
     if failed:
         out.append(
             f"a checkpoint could not be written: {failed[0].get('message', '?')}; the checkpoint directory "
