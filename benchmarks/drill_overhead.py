@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import harness
-from benchmarks.step_overhead import _signal, _tree, _window_done, alternate, running_s
+from benchmarks.step_overhead import _signal, _tree, _window_done, alternate, window
 
 TARGET = 0.98
 MINUTES = 1.0  # the drill's --minutes: enough steps for the window whatever the step time (it is killed after)
@@ -58,13 +58,7 @@ def _pair(work: Path, cache: Path, warmup: int, n: int, slice_s: float) -> dict:
     finally:  # the window is measured: neither side needs to finish (the drill's reference run is not timed)
         for p in procs.values():
             p.kill()
-    out = {}
-    for side, run_dir in runs.items():
-        evs = harness.steps(harness.events(run_dir))
-        times = [e["time"] for e in evs if warmup <= e["step"] <= warmup + n]
-        if len(times) != n + 1 or times[0] < slices[side][0][0]:
-            raise harness.BenchError(f"{run_dir}: the window's {n + 1} step events are not all inside the slices")
-        out[side] = {"steps": n, "running_s": running_s(times[0], times[-1], slices[side])}
+    out = {side: window(run_dir, warmup, n, slices[side]) for side, run_dir in runs.items()}
     out["ratio"] = out["plain"]["running_s"] / out["drilled"]["running_s"]  # drilled tokens/s over plain's
     out["faults_fired"] = (runs["drilled"] / "faults.jsonl").is_file()
     return out
@@ -73,7 +67,6 @@ def _pair(work: Path, cache: Path, warmup: int, n: int, slice_s: float) -> dict:
 def _parts(work: Path) -> dict:
     """What the drill adds, timed alone in this process: the audit's record of a step's batch (the tiny
     config's), and one poll of process 0's heartbeat by the drill (every trainer.drill.run.POLL_S)."""
-    import time
 
     import numpy as np
 
@@ -83,27 +76,19 @@ def _parts(work: Path) -> dict:
     from trainer.observe.heartbeat import Heartbeat, heartbeat_path
     from trainer.observe.heartbeat import read as read_heartbeat
 
-    def per_call(fn, n: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (time.perf_counter() - t0) / n
-
     rows = load_config(harness.TINY).data.batch_size
     log = AuditLog(work / "parts", process=0, processes=1, start=0, global_batch=rows, epoch_windows=10**6, skips=[])
     batch = {"ids": np.arange(rows) * 7919, "windows": np.arange(rows) * 104729}
     hb = Heartbeat(work / "parts", 0)
     hb.beat("step", 1)
     return {
-        "audit_record_us": per_call(lambda: log.record(1, batch), 2000) * 1e6,
-        "heartbeat_poll_us": per_call(lambda: read_heartbeat(heartbeat_path(work / "parts", 0)), 2000) * 1e6,
+        "audit_record_us": harness.per_call(lambda: log.record(1, batch), 2000) * 1e6,
+        "heartbeat_poll_us": harness.per_call(lambda: read_heartbeat(heartbeat_path(work / "parts", 0)), 2000) * 1e6,
         "poll_every_s": POLL_S,
     }
 
 
 def measure(work: Path, cache: Path, quick: bool) -> dict:
-    import statistics
-
     warmup, n, slice_s, pairs = _plan(quick)
     parts = _parts(work)
     runs = [_pair(work / f"pair-{k}", cache, warmup, n, slice_s) for k in range(pairs)]
@@ -111,7 +96,6 @@ def measure(work: Path, cache: Path, quick: bool) -> dict:
     plain = sum(r["plain"]["running_s"] for r in runs)
     ratio = plain / drilled  # the same steps on both sides: the drilled run's tokens/s over the plain run's
     ratios = [r["ratio"] for r in runs]
-    spread = 2 * statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("nan")
     step_s = drilled / (n * pairs)
     added = (parts["audit_record_us"] + parts["heartbeat_poll_us"] * step_s / parts["poll_every_s"]) * 1e-6
     return {
@@ -119,7 +103,7 @@ def measure(work: Path, cache: Path, quick: bool) -> dict:
         "target": f">= {TARGET}",
         "met": ratio >= TARGET and not any(r["faults_fired"] for r in runs),
         "pair_ratios": ratios,
-        "pair_ratio_mean_and_2se": [statistics.mean(ratios), spread],
+        "pair_ratio_mean_and_2se": harness.mean_2se(ratios),
         # the cross-check: the parts timed alone, as a ratio on this run's step (one pair's ratio spreads ~2%)
         "parts_ratio": step_s / (step_s + added),
         "parts": parts,

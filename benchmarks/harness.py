@@ -137,6 +137,19 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def per_call(fn, n: int) -> float:
+    """Seconds per call of `fn`, over `n` calls (a part of the trainer timed alone)."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def mean_2se(xs: list[float]) -> list[float]:
+    """[mean, 2 standard errors] of a benchmark's per-pair ratios."""
+    return [statistics.mean(xs), 2 * statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else float("nan")]
+
+
 def steps(evs: list[dict]) -> list[dict]:
     return [e for e in evs if e["event"] == "step"]
 

@@ -165,6 +165,15 @@ def running_s(a: float, b: float, slices: list[tuple[float, float]]) -> float:
     return sum(max(0.0, min(b, t1) - max(a, t0)) for t0, t1 in slices)
 
 
+def window(run_dir: Path, warmup: int, n: int, slices: list[tuple[float, float]]) -> dict:
+    """A side's running seconds over steps warmup..warmup+n, every one of them inside its slices."""
+    evs = harness.steps(harness.events(run_dir))
+    times = [e["time"] for e in evs if warmup <= e["step"] <= warmup + n]
+    if len(times) != n + 1 or times[0] < slices[0][0]:
+        raise harness.BenchError(f"{run_dir}: the window's {n + 1} step events are not all inside the slices")
+    return {"steps": n, "running_s": running_s(times[0], times[-1], slices)}
+
+
 def in_one_slice(times: list[float], slices: list[tuple[float, float]]) -> list[float]:
     """Durations between consecutive timestamps that fall in the same slice (no stop between them)."""
     return [b - a for a, b in zip(times, times[1:]) if any(t0 <= a and b <= t1 for t0, t1 in slices)]

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import harness
-from benchmarks.step_overhead import _signal, _tree, _window_done, alternate, running_s
+from benchmarks.step_overhead import _signal, _tree, _window_done, alternate, window
 
 TARGET = 0.99
 GROUP = ("launch.processes=2", "mesh.cpu_devices=4", "checkpoint.every_steps=1000", "log.report=false")
@@ -62,13 +62,7 @@ def _pair(work: Path, cache: Path, warmup: int, n: int, slice_s: float) -> dict:
     finally:
         for p in procs.values():
             p.kill()
-    out = {}
-    for side, run_dir in runs.items():
-        evs = harness.steps(harness.events(run_dir))
-        times = [e["time"] for e in evs if warmup <= e["step"] <= warmup + n]
-        if len(times) != n + 1 or times[0] < slices[side][0][0]:
-            raise harness.BenchError(f"{run_dir}: the window's {n + 1} step events are not all inside the slices")
-        out[side] = {"steps": n, "running_s": running_s(times[0], times[-1], slices[side])}
+    out = {side: window(run_dir, warmup, n, slices[side]) for side, run_dir in runs.items()}
     out["ratio"] = (n / out["watched"]["running_s"]) / (n / out["bare"]["running_s"])
     verdicts = [e for e in harness.events(runs["watched"]) if e["event"] == "straggler"]
     out["straggler_verdicts"] = len(verdicts)
@@ -82,37 +76,24 @@ def _parts(work: Path) -> dict:
     """The two additions timed alone, in this process: a heartbeat carrying the timing against one without
     (the per-step cost: the counters themselves are a few additions), and one host health sample (every
     log.health_every_s, in its own thread)."""
-    import time
 
     from trainer.config import LogConfig
     from trainer.core.step_log import MARKS
     from trainer.observe import health
     from trainer.observe.heartbeat import Heartbeat
 
-    def per_call(fn, n: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (time.perf_counter() - t0) / n
-
     hb = Heartbeat(work / "parts", 0)
-    plain = per_call(lambda: hb.beat("step", 1), 2000)
+    plain = harness.per_call(lambda: hb.beat("step", 1), 2000)
     mark = dict(n=1000, step_s=123.4, wait_s=100.1, data_s=2.3, dispatch_s=0.0, sync=1000)
     hb.timing = [dict(mark, n=mark["n"] + 20 * k) for k in range(MARKS)]  # as many window marks as it ever carries
-    timed = per_call(lambda: hb.beat("step", 1), 2000)
+    timed = harness.per_call(lambda: hb.beat("step", 1), 2000)
     collector = health.HealthCollector(every_s=LogConfig.health_every_s, sources=[health.HostSource()])
-    sample = per_call(collector.sample, 200)
+    sample = harness.per_call(collector.sample, 200)
     return {
         "heartbeat_with_timing_extra_us": (timed - plain) * 1e6,
         "health_sample_ms": sample * 1e3,
         "health_every_s": LogConfig.health_every_s,
     }
-
-
-def _mean_2se(xs: list[float]) -> list[float]:
-    import statistics
-
-    return [statistics.mean(xs), 2 * statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else float("nan")]
 
 
 def measure(work: Path, cache: Path, quick: bool) -> dict:
@@ -131,7 +112,7 @@ def measure(work: Path, cache: Path, quick: bool) -> dict:
         "target": f">= {TARGET}",
         "met": ratio >= TARGET,
         "pair_ratios": [r["ratio"] for r in runs],
-        "pair_ratio_mean_and_2se": _mean_2se([r["ratio"] for r in runs]),
+        "pair_ratio_mean_and_2se": harness.mean_2se([r["ratio"] for r in runs]),
         # the cross-check: the parts timed alone, as a ratio on this run's step (the pairs' spread is ~1-2%)
         "parts_ratio": step_s / (step_s + added),
         "parts": parts,
