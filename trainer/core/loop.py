@@ -50,7 +50,7 @@ def run(cfg: Config) -> int:
     w = setup(cfg)
     flags = Flags(lr_scale_now=w.hyperparams["lr_scale"])
     _install_signals(w, flags)
-    _enter(w, "startup", 0)
+    _enter(w, "startup", _newest_durable(w))  # a startup-phase fault at step S fires in a restart from S or later
     st, start, tier = _restore_or_init(w)
     if w.primary:  # one line saying where this attempt begins, before any library output
         print(
@@ -118,10 +118,14 @@ def _install_signals(w: Worker, flags: Flags) -> None:
     faulthandler.register(signal.SIGUSR1, file=_STACKS_FILE, all_threads=True)
 
 
+def _newest_durable(w: Worker) -> int:
+    return ([0, *committed_steps(durable_dir(w.run_dir))])[-1]
+
+
 def _restore_or_init(w: Worker):
     # The phase's step is the newest committed durable checkpoint (0: none): what `status` shows while it is
     # read, and what a restore-phase fault compares with (one at step S fires in a restore of S or later).
-    _enter(w, "restore", ([0, *committed_steps(durable_dir(w.run_dir))])[-1])
+    _enter(w, "restore", _newest_durable(w))
     t0 = time.perf_counter()
     restored = w.ckpt.restore_newest(
         w.spec.abstract,

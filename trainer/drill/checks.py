@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from trainer.config import Config
-from trainer.drill.plan import RESTARTS, Planned
+from trainer.drill.plan import AFTER_RESTART, KINDS, RESTARTS, Planned
 from trainer.observe import audit, checkpoint_files, rundir
 from trainer.observe.event_names import (
     ALERT,
@@ -46,9 +46,7 @@ def _detector(kind: str, hit: str):
         return lambda e: e["event"] == WORKER_EXIT and e.get("exit_code") not in (0, 75)
     return {
         "corrupt": lambda e: e["event"] == CHECKPOINT_REJECTED,
-        "hang": lambda e: e["event"] == HANG_DETECTED,
-        "hang_restore": lambda e: e["event"] == HANG_DETECTED,
-        "hang_compile": lambda e: e["event"] == HANG_DETECTED,
+        **{k: (lambda e: e["event"] == HANG_DETECTED) for k in KINDS if k.startswith("hang")},
         "preempt": lambda e: e["event"] == PREEMPTED,
         "spike": lambda e: e["event"] == SPIKE_DETECTED,
         "nan": lambda e: e["event"] == SPIKE_DETECTED,
@@ -94,7 +92,7 @@ def faults(plan: list[Planned], fired: list[dict], preempts: list[dict], evs: li
         r.update(productive_s=None, recomputed=None, healed=False)
         if det is None:
             continue
-        if r["kind"] in RESTARTS or r["kind"] in ("hang_restore", "hang_compile"):
+        if r["kind"] in RESTARTS | AFTER_RESTART:
             best = max((e["step"] for e in steps if e["time"] < t), default=0)
             start = next((e for e in evs if e["time"] > det["time"] and e["event"] in (RESTORE, INIT)), None)
             # counted from the attempt that restarts (a preempted worker steps on until its save)

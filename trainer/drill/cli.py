@@ -77,6 +77,8 @@ def _steps(cfg, cal: dict, minutes: float, mtbf: float, kinds: list[str]) -> int
     recomputed, and a hang its phase's timeout besides."""
     every, sc = cfg.checkpoint.every_steps or cfg.train.steps, cfg.supervisor
     timeout = {"hang": sc.step_timeout_s, "hang_restore": sc.restore_timeout_s, "hang_compile": sc.startup_timeout_s}
+    timeout.update(hang_startup=sc.startup_timeout_s, hang_checkpoint=sc.checkpoint_timeout_s)
+    timeout.update(hang_eval=sc.eval_timeout_s)
     hangs = sum(timeout.get(k, 0.0) for k in kinds) / len(kinds)  # a hang is found when its phase times out
     per_fault = cal["startup_s"] + every * cal["step_s"] / 2 + hangs
     work_s = minutes * 60 - cal["startup_s"]
@@ -132,7 +134,7 @@ def _drill(cfg, kinds: list[str], work: Path, args, spares: int) -> int:
     )
     try:
         ref = run.reference(cfg, work, limit_s=limit)
-    except run.DrillError as e:  # e.g. the disk the drilled run filled: the checks still say what they can
+    except (run.DrillError, OSError) as e:  # e.g. the disk the drilled run filled: the checks say what they can
         ref = {"wall_s": 0.0, "skips": [], "softened": False, "error": str(e)}
     run_dir, ref_dir = work / "run", work / "reference"
     evs = read_events(run_dir / rundir.EVENTS)

@@ -18,8 +18,11 @@ KINDS = {
     "crash": "the worker process dies (SIGKILL-like exit) at a step",
     "crash_after_save": "the worker dies the step after a periodic save, while the save is in flight",
     "hang": "the step hangs (alive, no progress), as in a stuck collective",
+    "hang_startup": "the start-up of the restart after a failure hangs (e.g. a peer that never joins)",
     "hang_restore": "the restore of the restart after a failure hangs",
     "hang_compile": "the compile of the restart after a failure hangs",
+    "hang_checkpoint": "a save hangs (storage that stops answering)",
+    "hang_eval": "a held-out eval hangs",
     "crash_mid_save": "the worker dies while a save is being written",
     "corrupt": "the newest durable checkpoint gets flipped bytes, a truncated file or torn metadata; then a crash",
     "preempt": "SIGTERM to the supervisor, as a scheduler preempting the job; the drill requeues it",
@@ -32,8 +35,9 @@ KINDS = {
     "node": "a whole node lost (its processes, slurmd and node-local tier at once); a spare takes its place",
 }
 RESTARTS = {"crash", "crash_after_save", "hang", "crash_mid_save", "corrupt", "preempt", "spike", "nan", "bitflip"}
-RESTARTS |= {"node", "disk_full"}
-AFTER_RESTART = {"hang_restore", "hang_compile"}  # fire in the restart that follows an earlier failure
+RESTARTS |= {"node", "disk_full", "hang_checkpoint", "hang_eval"}
+AFTER_RESTART = {"hang_startup", "hang_restore", "hang_compile"}  # fire in the restart after an earlier failure
+IN_PHASE = {"hang_checkpoint", "hang_eval"}  # fire the first time their phase is entered at or after their step
 CORRUPTIONS = ("flip", "truncate", "torn")
 SLOW_STEPS, SLOW_MULTIPLE = 20, 3.0
 
@@ -63,6 +67,8 @@ def available(cfg: Config, spares: int | None = None) -> tuple[list[str], dict[s
         out["ecc"] = "log.health is false: no health monitor reads ECC counts"
     if not cfg.checkpoint.every_steps:
         out["crash_after_save"] = "checkpoint.every_steps is 0: no periodic save to crash after"
+    if not cfg.eval.every_steps:
+        out["hang_eval"] = "eval.every_steps is 0: no eval to hang"
     if not (cfg.checkpoint.every_steps or cfg.checkpoint.every_minutes):
         out["disk_full"] = "no periodic durable save: none to find the disk full"
     elif not cfg.supervisor.storage_wait_minutes:
@@ -124,6 +130,8 @@ def schedule(
             # (at least 1: a fresh start enters the restore phase too, at step 0, before any failure)
             restored = max((last_failure // every - 1) * every, 1) if every else 1
             fault = {"kind": "hang", "step": restored, "phase": kind.split("_")[1]}
+        elif kind in IN_PHASE:
+            fault = {"kind": "hang", "step": step, "phase": kind.split("_")[1]}
         elif kind == "corrupt":
             fault["how"] = rng.choice(CORRUPTIONS)
         elif kind == "slow":

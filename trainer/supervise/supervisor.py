@@ -98,7 +98,7 @@ class Supervisor:
             try:
                 if log is None and self.accepted:
                     log_dir.mkdir(parents=True, exist_ok=True)
-                    log = open(log_dir / f"worker-{att.number}.log", "a")
+                    log = open(log_dir / f"worker-{att.number}.log", "a", buffering=1)  # a full disk fails a write
                     log.writelines(t + "\n" for t in att.tail)
                 elif log:
                     log.write(line)
