@@ -127,12 +127,11 @@ def _drill(cfg, kinds: list[str], work: Path, args, spares: int) -> int:
     )
     limit = max(4 * args.minutes * 60, 900)
     drilled = run.drilled(cfg, schedule, work, limit_s=limit)
-    print(
-        f"drill: drilled run ended (exit {drilled['exit_code']}) after {drilled['wall_s']:.0f} s; now the "
-        "undisturbed run of the same steps, after it",
-        flush=True,
-    )
+    then = "now the undisturbed run of the same steps, after it" if drilled["exit_code"] == 0 else "it did not finish"
+    print(f"drill: drilled run ended (exit {drilled['exit_code']}) after {drilled['wall_s']:.0f} s; {then}", flush=True)
     try:
+        if drilled["exit_code"] != 0:  # no final params to compare: the lines below say why it stopped
+            raise run.DrillError("not run: the drilled run did not finish")
         ref = run.reference(cfg, work, limit_s=limit)
     except (run.DrillError, OSError) as e:  # e.g. the disk the drilled run filled: the checks say what they can
         ref = {"wall_s": 0.0, "skips": [], "softened": False, "error": str(e)}
@@ -197,7 +196,8 @@ def _failed(cfg, drilled: dict, rows: list[dict], dp: dict, gp: dict | None, ref
                 f"{r['kind']} at step {r['step']} was detected ({r['detected_by']}) but the run never got past it"
             )
     if ref.get("error"):
-        out.append(f"no undisturbed run to compare with: {ref['error']}")
+        if drilled["exit_code"] == 0:
+            out.append(f"no undisturbed run to compare with: {ref['error']}")
     elif ref["softened"]:
         out.append(
             "the spike runbook softened the LR: no undisturbed run matches; space spikes wider (runbook.recur_distance)"

@@ -84,7 +84,8 @@ def schedule(
     where one cannot land: a hang in a restart needs an earlier failure; a slowdown, the pace before it; a
     spike needs the runbook's warm-up
     behind it and a gap of runbook.recur_distance from any other spike or NaN (a recurrence would soften
-    the LR, which no undisturbed run can match); ECC fires once (its alert stays open); a node is lost at most
+    the LR, which no undisturbed run can match), and no more spikes and NaNs than runbook.max_actions (one more
+    and the runbook stops the run for a human); ECC fires once (its alert stays open); a node is lost at most
     once per spare (SLURM marks it down for good), never the first node's (the drill runs there)."""
     rng = random.Random(seed)
     plan: list[Planned] = []
@@ -111,6 +112,7 @@ def schedule(
             if not (k in AFTER_RESTART and last_failure is None)
             and not (k == "spike" and (step < spike_from or step - last_rewind <= cfg.runbook.recur_distance))
             and not (k == "nan" and step - last_rewind <= cfg.runbook.recur_distance)
+            and not (k in ("spike", "nan") and sum(p.kind in ("spike", "nan") for p in plan) >= cfg.runbook.max_actions)
             and not (k == "ecc" and any(p.kind == "ecc" for p in plan))
             and not (k == "node" and sum(p.kind == "node" for p in plan) >= spares)
             and not (k == "slow" and step < slow_from(last_failure))
