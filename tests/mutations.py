@@ -1209,4 +1209,17 @@ MUTATIONS = [
         ("tests/test_drill.py::test_the_setup_lines_name_what_breaks_and_the_fix",),
         catch="assert checks.setup(cfg, injected, crashes, run) == []",
     ),
+    M(
+        "drill_spikes_beyond_the_runbook_budget",
+        "the drill plans more spikes and NaNs than runbook.max_actions: the runbook stops the drilled run (exit 79)",
+        (
+            (
+                "trainer/drill/plan.py",
+                'sum(p.kind in ("spike", "nan") for p in plan) >= cfg.runbook.max_actions)',
+                'sum(p.kind in ("spike", "nan") for p in plan) >= 10**9)',
+            ),
+        ),
+        ("tests/test_drill.py::test_the_schedule_is_seeded_poisson_and_lands_each_kind_where_it_can",),
+        catch="assert len(rewinds) == rb.max_actions",
+    ),
 ]

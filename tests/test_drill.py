@@ -34,10 +34,16 @@ def test_the_schedule_is_seeded_poisson_and_lands_each_kind_where_it_can():
     rewinds = [p.step for p in a if p.kind in ("spike", "nan")]
     assert all(b - c > rb.recur_distance for c, b in zip(rewinds, rewinds[1:])), rewinds
     assert all(p.step >= rb.warmup_steps + rb.min_history for p in a if p.kind == "spike")
+    assert len(rewinds) == rb.max_actions  # one more and the runbook stops the run for a human (exit 79)
     assert sum(p.kind == "ecc" for p in a) == 1
     after_save = [p for p in a if p.kind == "crash_after_save"]
     assert all(p.step % every == 1 and p.fault == {"kind": "crash", "step": p.step} for p in after_save)
     failures = [p.step for p in a if p.kind in plan.RESTARTS]
+    # one hang in a restart per failure at most: three restarts failing at one checkpoint are a crash loop
+    kinds_in_order = [p.kind for p in sorted(a, key=lambda p: p.step)]
+    assert not any(
+        x in plan.AFTER_RESTART and y in plan.AFTER_RESTART for x, y in zip(kinds_in_order, kinds_in_order[1:])
+    )
     for p in a:
         if p.kind in plan.AFTER_RESTART:  # armed at a checkpoint step that a failure after it restores
             assert p.fault["phase"] == p.kind.split("_")[1] and p.fault["step"] % every in (0, 1)

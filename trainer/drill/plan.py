@@ -81,7 +81,9 @@ def schedule(
 ) -> list[Planned]:
     """Faults over `steps` steps: exponential gaps of mean `mtbf_s` seconds of training (`step_s` a step),
     none in the first 3 steps or the last 3, at most one a step. Kinds drawn uniformly from `kinds`, except
-    where one cannot land: a hang in a restart needs an earlier failure; a slowdown, the pace before it; a
+    where one cannot land: a hang in a restart needs an earlier failure, and one is all it gets (the same
+    checkpoint failing three restarts in a row is a crash loop, which stops the run); a slowdown, the pace
+    before it; a
     spike needs the runbook's warm-up
     behind it and a gap of runbook.recur_distance from any other spike or NaN (a recurrence would soften
     the LR, which no undisturbed run can match), and no more spikes and NaNs than runbook.max_actions (one more
@@ -91,7 +93,7 @@ def schedule(
     plan: list[Planned] = []
     every = cfg.checkpoint.every_steps
     spike_from = cfg.runbook.warmup_steps + cfg.runbook.min_history
-    t, used, last_rewind, last_failure = 0.0, set(), -(10**9), None
+    t, used, last_rewind, last_failure, hung_after = 0.0, set(), -(10**9), None, True
 
     def slow_from(failure: int | None) -> int:
         """A slowdown is seen against the pace before it: the throughput alert's window of steps (and, with
@@ -109,7 +111,7 @@ def schedule(
         choices = [
             k
             for k in kinds
-            if not (k in AFTER_RESTART and last_failure is None)
+            if not (k in AFTER_RESTART and (last_failure is None or hung_after))
             and not (k == "spike" and (step < spike_from or step - last_rewind <= cfg.runbook.recur_distance))
             and not (k == "nan" and step - last_rewind <= cfg.runbook.recur_distance)
             and not (k in ("spike", "nan") and sum(p.kind in ("spike", "nan") for p in plan) >= cfg.runbook.max_actions)
@@ -145,7 +147,8 @@ def schedule(
         if kind in ("spike", "nan"):
             last_rewind = step
         if kind in RESTARTS:
-            last_failure = step
+            last_failure, hung_after = step, False
+        hung_after |= kind in AFTER_RESTART
         used.add(step)
         plan.append(Planned(kind, step, fault))
         plan.sort(key=lambda p: p.step)
