@@ -1222,4 +1222,11 @@ MUTATIONS = [
         ("tests/test_drill.py::test_the_schedule_is_seeded_poisson_and_lands_each_kind_where_it_can",),
         catch="assert len(rewinds) == rb.max_actions",
     ),
+    M(
+        "drill_hangs_every_restart",
+        "the drill arms several hangs in the restarts after one failure: the same checkpoint fails three times",
+        (("trainer/drill/plan.py", "(last_failure is None or hung_after)", "(last_failure is None)"),),
+        ("tests/test_drill.py::test_the_schedule_is_seeded_poisson_and_lands_each_kind_where_it_can",),
+        catch="assert not any(x in plan.AFTER_RESTART and y in plan.AFTER_RESTART",
+    ),
 ]
