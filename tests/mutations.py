@@ -1227,6 +1227,6 @@ MUTATIONS = [
         "the drill arms several hangs in the restarts after one failure: the same checkpoint fails three times",
         (("trainer/drill/plan.py", "(last_failure is None or hung_after)", "(last_failure is None)"),),
         ("tests/test_drill.py::test_the_schedule_is_seeded_poisson_and_lands_each_kind_where_it_can",),
-        catch="assert not any(x in plan.AFTER_RESTART and y in plan.AFTER_RESTART",
+        catch="x in plan.AFTER_RESTART and y in plan.AFTER_RESTART",
     ),
 ]
