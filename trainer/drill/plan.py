@@ -35,7 +35,7 @@ KINDS = {
     "node": "a whole node lost (its processes, slurmd and node-local tier at once); a spare takes its place",
 }
 RESTARTS = {"crash", "crash_after_save", "hang", "crash_mid_save", "corrupt", "preempt", "spike", "nan", "bitflip"}
-RESTARTS |= {"node", "disk_full", "hang_checkpoint", "hang_eval"}
+RESTARTS |= {"node", "disk_full", "hang_checkpoint", "hang_eval"}  # (one literal would pass the line limit)
 AFTER_RESTART = {"hang_startup", "hang_restore", "hang_compile"}  # fire in the restart after an earlier failure
 IN_PHASE = {"hang_checkpoint", "hang_eval"}  # fire the first time their phase is entered at or after their step
 CORRUPTIONS = ("flip", "truncate", "torn")
