@@ -1229,4 +1229,17 @@ MUTATIONS = [
         ("tests/test_drill.py::test_the_schedule_is_seeded_poisson_and_lands_each_kind_where_it_can",),
         catch="x in plan.AFTER_RESTART and y in plan.AFTER_RESTART",
     ),
+    M(
+        "sigterm_after_the_last_step_requeues",
+        "a SIGTERM in the last step exits PREEMPTED though the run is done: the job is requeued for nothing",
+        (
+            (
+                "trainer/core/endings.py",
+                "if flags.stop and step < w.cfg.train.steps:",
+                "if flags.stop:",
+            ),
+        ),
+        ("tests/test_supervisor.py::test_a_sigterm_in_the_last_step_finishes_the_run_instead_of_asking_for_a_requeue",),
+        catch="assert proc.returncode == exit_codes.OK",
+    ),
 ]

@@ -737,13 +737,13 @@ def local_slurm(
         (workdir / "spool" / n).mkdir(exist_ok=True)
 
     mode = None
-    created_local = False
     if node_local is not None:
         if not os.path.isabs(node_local):
             raise ValueError("node_local must be an absolute path")
-        if not os.path.isdir(node_local):
-            os.makedirs(node_local)
-            created_local = True
+        # Made once and never removed: another cluster (another xdist worker) may be mounting its private
+        # tmpfs over the same path, and rmdir of a mount point here detaches those mounts in every namespace
+        # (its nodes would then see this disk's empty directory: seen in CI as "fast tier on the same disk").
+        os.makedirs(node_local, exist_ok=True)
         mode = node_local_mode
         if mode == "auto":
             mode = "tmpfs" if _tmpfs_namespaces_work(node_local) else "dir"
@@ -871,9 +871,6 @@ def local_slurm(
         shutil.rmtree(sockdir, ignore_errors=True)
         if hosts_line is not None:
             _hosts_remove(hosts_line)
-        if created_local:
-            with contextlib.suppress(OSError):
-                os.rmdir(node_local)
 
 
 def _wait_or_fail(pred, timeout, procs, failure, what) -> None:

@@ -123,7 +123,9 @@ def test_hangs_in_every_phase_are_detected_by_their_own_timeout_dumped_and_recov
 def test_sigterm_saves_and_exits_with_the_requeue_code(tmp_path, reference_run):
     ref = reference_run()
     run = tmp_path / "run"
-    sup = _start(run, "checkpoint.every_steps=100")
+    # Steps from 12 on slowed to 0.3 s: the signal lands mid-run however fast the micro steps are (CI's worker
+    # once ran the 18 left, 10-30 ms each, within the supervisor's 0.5 s poll that forwards it: a 'final' save).
+    sup = _start(run, "checkpoint.every_steps=100", "faults=[{kind: slow, step: 12, count: 18, seconds: 0.3}]")
     _worker_at(run, 12)
     sup.send_signal(signal.SIGTERM)
     out, err = sup.communicate(timeout=300)
@@ -133,6 +135,17 @@ def test_sigterm_saves_and_exits_with_the_requeue_code(tmp_path, reference_run):
     assert "preempted at step" in err
     run_trainer(run, "checkpoint.every_steps=100")
     assert [e["step"] for e in events(run) if e["event"] == "restore"] == [saved[-1]["step"]]
+    _assert_same_as_reference(run, ref)
+
+
+def test_a_sigterm_in_the_last_step_finishes_the_run_instead_of_asking_for_a_requeue(tmp_path, reference_run):
+    """The signal lands in step 29 of 30: the step-30 save is the last one either way, so the run is done
+    (summary, exit 0); a requeue would only restore it to find nothing left."""
+    ref = reference_run()
+    run = tmp_path / "run"
+    proc = run_trainer(run, "faults=[{kind: signal, step: 29, signal: SIGTERM}]", worker=True, check=False)
+    assert proc.returncode == exit_codes.OK, proc.stderr[-2000:]
+    assert [e["reason"] for e in events(run) if e["event"] == "checkpoint_saved"][-1] == "preempt"
     _assert_same_as_reference(run, ref)
 
 

@@ -29,7 +29,7 @@ def end(w: Worker, flags: Flags, st, step: int, loss: float) -> int:
     w.ckpt.close()  # durable (and sealed) before we report anything as saved
     if w.ckpt.failure():
         return storage_exit(w, step)
-    if flags.stop:
+    if flags.stop and step < w.cfg.train.steps:  # a SIGTERM during the final save: done, nothing to requeue
         w.events.write(PREEMPTED, step=step)
         return exit_codes.PREEMPTED
     if step < w.cfg.train.steps:
