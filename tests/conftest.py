@@ -213,6 +213,7 @@ def _cpu_log(request):
     c0, t0 = cpu(), time.time()
     yield
     row = {"test": request.node.nodeid, "wall": round(time.time() - t0, 2), "cpu": round(cpu() - c0, 2)}
+    row |= {"worker": os.environ.get("PYTEST_XDIST_WORKER", ""), "start": round(t0, 2)}  # the schedule's tail
     with open(CPU_LOG, "a") as f:
         f.write(json.dumps(row) + "\n")
 
@@ -224,17 +225,21 @@ def _cpu_log(request):
 HEAVY_FIRST = (
     "test_integrity",
     "test_resume",
+    "test_drill",
     "test_node_loss",
-    "test_multihost",
-    "test_supervisor",
-    "test_export",
-    "test_runbook_e2e",
-    "test_model",
-    "test_eval",
     "test_llama",
-    "test_straggler",
+    "test_supervisor",
+    "test_multihost",
+    "test_model",
+    "test_export",
     "test_config",
+    "test_runbook_e2e",
     "test_slurm_job",
+    "test_first_hour",
+    "test_eval",
+    "test_checkpoint",
+    "test_sharding",
+    "test_straggler",
 )
 
 
