@@ -218,29 +218,36 @@ def _cpu_log(request):
         f.write(json.dumps(row) + "\n")
 
 
-# The longest modules first (wall seconds in tests/README.md's latest table). Under `--dist loadfile` each
-# module runs whole on one worker, in the order collected: a long module handed out last runs alone at the
-# end while the other workers sit idle. The SLURM modules mostly wait on daemons and timeouts, so starting
-# them early also fills their waits with the others' work. Order within a module is kept.
+# The longest modules first (wall seconds measured with TRAINER_TESTS_CPU_LOG, tests/README.md). Under
+# `--dist loadfile` each module runs whole on one worker: a long module handed out last runs alone at the end
+# while the other workers sit idle. The SLURM modules mostly wait on daemons and timeouts, so starting them
+# early also fills their waits with the others' work. Order within a module is kept. xdist's own reordering
+# (by number of tests, the default) is turned off below: under it test_node_loss started at 530 s of 744.
 HEAVY_FIRST = (
     "test_integrity",
     "test_resume",
     "test_drill",
     "test_node_loss",
-    "test_llama",
-    "test_supervisor",
     "test_multihost",
-    "test_model",
     "test_export",
+    "test_supervisor",
+    "test_llama",
+    "test_model",
     "test_config",
     "test_runbook_e2e",
-    "test_slurm_job",
     "test_first_hour",
-    "test_eval",
-    "test_checkpoint",
+    "test_slurm_job",
     "test_sharding",
+    "test_eval",
     "test_straggler",
+    "test_checkpoint",
+    "test_layers",
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's --no-loadscope-reorder
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
