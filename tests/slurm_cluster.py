@@ -48,6 +48,7 @@ Requires root (slurmd must run as root) and the Debian packages installed by
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pwd
 import shutil
@@ -141,8 +142,6 @@ JOB_ID_BLOCK = 100  # job ids (and so coordinator ports) a cluster may use befor
 
 def _first_job_id() -> int:
     """The next free block of job ids on this machine, under a lock (clusters start in parallel test workers)."""
-    import fcntl
-
     with open("/tmp/local_slurm_job_ids", "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         f.seek(0)
@@ -505,15 +504,24 @@ def _tmpfs_namespaces_work(path: str) -> bool:
     return res.returncode == 0
 
 
+@contextlib.contextmanager
+def _hosts_locked():
+    """Clusters of several xdist workers edit /etc/hosts: a removal's read-then-rewrite must not drop a line
+    another cluster appended in between (its nodes would stop resolving while it runs)."""
+    with open("/tmp/local_slurm_hosts.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def _hosts_add(names: list[str], tag: str) -> str:
     line = f"127.0.0.1 {' '.join(names)}  # {tag}"
-    with open(_HOSTS, "a") as f:  # in place: /etc/hosts may be a bind mount
+    with _hosts_locked(), open(_HOSTS, "a") as f:  # in place: /etc/hosts may be a bind mount
         f.write(line + "\n")
     return line
 
 
 def _hosts_remove(line: str) -> None:
-    with contextlib.suppress(OSError):
+    with _hosts_locked(), contextlib.suppress(OSError):
         text = _HOSTS.read_text()
         kept = [ln for ln in text.splitlines(keepends=True) if ln.rstrip("\n") != line]
         with open(_HOSTS, "w") as f:
