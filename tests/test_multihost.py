@@ -350,6 +350,11 @@ def test_node_blame_names_the_node_that_died_not_its_survivors():
     g = _srun_output("srun: error: Node failure on n2", "srun: error: n1: task 0: Killed")
     assert g.blame() == [("n2", "SLURM reported a node failure during the step")]
     assert g.describe_exit()["node_failures"] == ["n2"]
+    # A task that left on purpose alone (its checkpoint disk full) and the peer srun then killed: nobody.
+    g = _srun_output(
+        f"srun: error: n1: task 0: Exited with exit code {exit_codes.STORAGE}", "srun: error: n2: task 1: Killed"
+    )
+    assert g.blame() == [] and g.failed_node() is None and g.poll() == exit_codes.STORAGE
     # Controlled exits blame nobody; a step that cannot be created is said so.
     g = _srun_output(
         "srun: error: n1: task 0: Exited with exit code 75",

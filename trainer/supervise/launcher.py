@@ -221,10 +221,17 @@ class SrunGroup(Group):
         return None
 
     def _cause(self) -> str | None:
-        """A node failure, or the first task that died neither on purpose nor as a consequence."""
+        """A node failure, or the first task that died neither on purpose nor as a consequence. A task that
+        left on purpose first (a STORAGE exit leaves alone, at once) makes `--kill-on-bad-exit` kill its
+        peers: those kills are its consequence, not their nodes' failure."""
         if self.node_failures:
             return self.node_failures[0]
-        return next((n for n, c in self.errors if c not in (*CONTROLLED, *_CONSEQUENCES)), None)
+        chosen = False
+        for n, c in self.errors:
+            chosen |= c in CONTROLLED
+            if c not in (*CONTROLLED, *_CONSEQUENCES) and not (chosen and c == -signal.SIGKILL):
+                return n
+        return None
 
     def blame(self) -> list[tuple[str, str]]:
         """(node, why) for each node this attempt's failure points at: the node whose task died first; or,
