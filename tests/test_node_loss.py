@@ -218,7 +218,7 @@ def test_a_frozen_node_is_blamed_the_job_shrinks_and_regrows_when_it_is_trusted_
 
 def test_a_straggler_node_is_drained_onto_the_spare_and_the_run_ends_identical(tmp_path, tmp_path_factory):
     """Three nodes, a job of three (two train, one spare), straggler.action=drain. From step 5 the node of
-    process 1 is slow (the node-bound `slow` fault: every step sleeps 3x the step time measured before, on
+    process 1 is slow (the node-bound `slow` fault: every step sleeps 5x the step time measured before, on
     whichever process runs there). The supervisor names process 1 and its node from the heartbeats' timing,
     asks the group to save and stop, and restarts it on the survivor and the spare: the run goes on at its old
     speed and ends with the bytes of an undisturbed 2-process run."""
@@ -232,7 +232,7 @@ def test_a_straggler_node_is_drained_onto_the_spare_and_the_run_ends_identical(t
         "straggler.action=drain",
         "straggler.window_steps=3",
         "straggler.grace_steps=1",
-        "faults=[{kind: slow, node: n2, step: 5, count: 100, step_multiple: 3.0}]",
+        "faults=[{kind: slow, node: n2, step: 5, count: 100, step_multiple: 5.0}]",
     )
     with local_slurm(tmp_path / "slurm", nodes=3, **CLUSTER) as env:
         job, _ = sbatch_trainer(env, nodes=3, per_node=1, out=out, args=args)
@@ -259,9 +259,10 @@ def test_a_straggler_node_is_drained_onto_the_spare_and_the_run_ends_identical(t
     before = statistics.median(tps[s] for s in range(2, 5))
     after = statistics.median(tps[s] for s in range(restored["step"] + 3, 30) if s not in (20, 21))
     slow = statistics.median(tps[s] for s in range(6, verdict["step"]) if s not in (10, 11))
-    # Back to pace: the slowed steps ran at ~30% of before, the drained group at twice that or more. On a quiet
+    # Back to pace: the slowed steps ran at ~1/6 of before, the drained group at twice that or more. On a quiet
     # machine it is within 10% of before (96.9% and 108.7% in two runs); here, a few steps each side while the
-    # suite's other modules share the 2 cores, the suite measured 61% in one run: noise, not the drain.
+    # suite's other modules share the 2 cores, the suite measured 61% and 44% (fresh-clone CI at 0adcb19,
+    # beside the three heaviest modules: 1.34x the slowed pace, when the sleep was 3x): noise, not the drain.
     assert slow < 0.5 * before and after > 2 * slow, (before, slow, after)
     led = summary(run)["goodput"]["seconds"]
     assert led["straggler"] > 0, led
