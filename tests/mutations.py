@@ -1242,4 +1242,17 @@ MUTATIONS = [
         ("tests/test_supervisor.py::test_a_sigterm_in_the_last_step_finishes_the_run_instead_of_asking_for_a_requeue",),
         catch="assert proc.returncode == exit_codes.OK",
     ),
+    M(
+        "peer_killed_after_a_controlled_exit_blamed",
+        "srun kills the peer of a task that left on purpose (a full disk's exit 81): the peer's node is blamed",
+        (
+            (
+                "trainer/supervise/launcher.py",
+                "and not (chosen and c == -signal.SIGKILL)",
+                "",
+            ),
+        ),
+        ("tests/test_multihost.py::test_node_blame_names_the_node_that_died_not_its_survivors",),
+        catch="assert g.blame() == [] and g.failed_node() is None and g.poll() == exit_codes.STORAGE",
+    ),
 ]
