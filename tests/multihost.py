@@ -68,14 +68,14 @@ def wait_for(pred, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def at_step(run: Path, process: int, step: int, alive, timeout: float = 240) -> dict:
+def at_step(run: Path, process: int, step: int, alive, timeout: float = 240, not_pid: int | None = None) -> dict:
     """Wait until that process is training at `step` or later; its heartbeat (with its pid).
-    `alive()` says whether the run is still going (fail fast when it is not)."""
+    `alive()` says whether the run is still going (fail fast when it is not); `not_pid`: a later attempt's."""
 
     def ok():
         assert alive(), f"the run ended before process {process} reached step {step}"
         hb = heartbeat(run, process)
-        return hb if hb and hb["phase"] == "step" and hb["step"] >= step else None
+        return hb if hb and hb["phase"] == "step" and hb["step"] >= step and hb["pid"] != not_pid else None
 
     return wait_for(ok, timeout, f"process {process} at step >= {step}")
 

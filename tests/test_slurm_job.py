@@ -18,7 +18,7 @@ import time
 
 import pytest
 from conftest import events, summary
-from multihost import at_step, audit, job_args, reference, sbatch_trainer
+from multihost import at_step, audit, heartbeat, job_args, reference, sbatch_trainer
 from slurm_cluster import (
     cluster_pids,
     job_info,
@@ -65,8 +65,12 @@ def test_sbatch_job_survives_a_killed_task_and_a_preemption(tmp_path, tmp_path_f
         job, alive = sbatch_trainer(env, nodes=1, per_node=2, out=out, args=args)
 
         victim = at_step(run, 1, 14, alive)  # task 1, past the checkpoint at step 10
+        survivor = heartbeat(run, 0)["pid"]
         os.kill(victim["pid"], signal.SIGKILL)
-        at_step(run, 0, 17, alive)  # the step was restarted in the same allocation (the first died by 15)
+        # The step was restarted in the same allocation: a new process 0 at 17. (Not any process 0 at 17: the
+        # first one had reached 17 before the kill in a fresh-clone CI run, the preemption then landed while
+        # the supervisor handled the kill, and the restart this test checks never happened.)
+        at_step(run, 0, 17, alive, not_pid=survivor)
         subprocess.run(["scancel", "--batch", "--signal=TERM", job], env=env, check=True, timeout=30)
         state = wait_job(job, env, timeout=400)
         log = out.read_text()
