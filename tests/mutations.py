@@ -1235,8 +1235,8 @@ MUTATIONS = [
         (
             (
                 "trainer/core/endings.py",
-                "if flags.stop and step < w.cfg.train.steps:",
-                "if flags.stop:",
+                "    if step < w.cfg.train.steps:  # ended early",
+                "    if step < w.cfg.train.steps or flags.stop:  # ended early",
             ),
         ),
         ("tests/test_supervisor.py::test_a_sigterm_in_the_last_step_finishes_the_run_instead_of_asking_for_a_requeue",),

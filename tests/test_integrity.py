@@ -561,7 +561,7 @@ def test_kills_at_random_moments_and_inside_async_saves_never_break_a_restore(tm
         # durable step 15 killed in the save of 16, before it logged step 16. The crash_mid_save faults, at
         # 9 and 33, fire in the saves of 10 and 34, never right after a restore: no checkpoint is at 9 or 33.
         # Those two saves are theirs: a SIGKILL landing between a fault's record and its exit took its crash
-        # in CI, which then never fired again)
+        # in a profile run of the suite, which then never fired again)
         kind = None
         if hb and hb["phase"] == "step" and in_step and hb["step"] >= in_step[0]:
             kind = "step"

@@ -29,12 +29,10 @@ def end(w: Worker, flags: Flags, st, step: int, loss: float) -> int:
     w.ckpt.close()  # durable (and sealed) before we report anything as saved
     if w.ckpt.failure():
         return storage_exit(w, step)
-    if flags.stop and step < w.cfg.train.steps:  # a SIGTERM during the final save: done, nothing to requeue
-        w.events.write(PREEMPTED, step=step)
-        return exit_codes.PREEMPTED
-    if step < w.cfg.train.steps:
-        w.events.write(STOPPED, step=step)
-        return exit_codes.OK
+    if step < w.cfg.train.steps:  # ended early: a SIGTERM's requeue, or train.stop_at_step (a SIGTERM in the
+        # last step lands here with the run done: it finishes, nothing to requeue)
+        w.events.write(PREEMPTED if flags.stop else STOPPED, step=step)
+        return exit_codes.PREEMPTED if flags.stop else exit_codes.OK
     finish(w, st, step, loss)
     return exit_codes.OK
 

@@ -79,15 +79,13 @@ def available(cfg: Config, spares: int | None = None) -> tuple[list[str], dict[s
 def schedule(
     cfg: Config, *, steps: int, step_s: float, mtbf_s: float, kinds: list[str], seed: int, spares: int = 0
 ) -> list[Planned]:
-    """Faults over `steps` steps: exponential gaps of mean `mtbf_s` seconds of training (`step_s` a step),
-    none in the first 3 steps or the last 3, at most one a step. Kinds drawn uniformly from `kinds`, except
-    where one cannot land: a hang in a restart needs an earlier failure, and one is all it gets (the same
-    checkpoint failing three restarts in a row is a crash loop, which stops the run); a slowdown, the pace
-    before it; a
-    spike needs the runbook's warm-up
-    behind it and a gap of runbook.recur_distance from any other spike or NaN (a recurrence would soften
-    the LR, which no undisturbed run can match), and no more spikes and NaNs than runbook.max_actions (one more
-    and the runbook stops the run for a human); ECC fires once (its alert stays open); a node is lost at most
+    """Faults over `steps` steps: exponential gaps of mean `mtbf_s` seconds of training (`step_s` a step), none in the
+    first 3 steps or the last 3, at most one a step. Kinds drawn uniformly from `kinds`, except where one cannot
+    land: a hang in a restart needs an earlier failure, and one is all it gets (the same checkpoint failing three
+    restarts in a row is a crash loop, which stops the run); a slowdown, the pace before it; a spike needs the
+    runbook's warm-up behind it and a gap of runbook.recur_distance from any other spike or NaN (a recurrence would
+    soften the LR, which no undisturbed run can match), and no more spikes and NaNs than runbook.max_actions (one
+    more and the runbook stops the run for a human); ECC fires once (its alert stays open); a node is lost at most
     once per spare (SLURM marks it down for good), never the first node's (the drill runs there)."""
     rng = random.Random(seed)
     plan: list[Planned] = []
