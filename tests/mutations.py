@@ -742,16 +742,42 @@ MUTATIONS = [
     ),
     M(
         "mfu_ceiling_counts_whole_attention",
-        "inspect's MFU ceiling takes the loop's model FLOPs (the whole L x L attention) as useful: it passes 100%",
+        "inspect's MFU ceiling takes the old model FLOPs (the whole L x L attention) as useful: it passes 100%",
         (
             (
                 "trainer/core/inspect.py",
                 "    useful_flops = (useful.matmul_params + useful.attention) * tokens_per_device\n",
-                "    useful_flops = model_flops\n",
+                "    useful_flops = model_full_attn\n",
             ),
         ),
         ("tests/test_sharding.py::test_inspect_mfu_ceiling_counts_useful_flops_and_cannot_pass_100_percent",),
         catch='ceiling["compute"] <= 1.0',
+    ),
+    M(
+        "cublas_lt_calls_not_matmuls",
+        "the HLO reader counts only legacy cuBLAS gemm calls as matmuls: a GPU's cuBLASLt matmuls drop out",
+        (
+            (
+                "trainer/core/hlo.py",
+                'return target == "__cublas$gemm" or target.startswith("__cublas$lt$matmul")',
+                'return target == "__cublas$gemm"',
+            ),
+        ),
+        ("tests/test_hlo.py::test_cublas_custom_calls_count_as_matmuls_with_their_dtypes_and_flops",),
+        catch='assert sorted(by_op) == ["__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8"]',
+    ),
+    M(
+        "mfu_logged_with_whole_attention",
+        "the step's mfu counts the whole L x L attention (PaLM's figure), not the causal half the anchors count",
+        (
+            (
+                "trainer/core/step_log.py",
+                'rec["mfu"] = tps * self.flops_per_token / self.peak',
+                'rec["mfu"] = tps * self.flops_per_token_full_attn / self.peak',
+            ),
+        ),
+        ("tests/test_first_hour.py::test_mfu_counts_attentions_causal_half_and_keeps_the_whole_beside_it",),
+        catch='e["mfu"] < e["mfu_full_attn"]',
     ),
     M(
         "inspect_total_counts_all_reduce_twice",

@@ -126,6 +126,19 @@ def test_run_deterministic_adds_its_flag_to_xla_flags(monkeypatch):
     assert os.environ["XLA_FLAGS"] == "--xla_dump_hlo_as_text --xla_gpu_deterministic_ops=true"
 
 
+def test_mfu_counts_attentions_causal_half_and_keeps_the_whole_beside_it(done):
+    """Issue 47: a step's `mfu` counts attention's causal half (6 x layers x D x L FLOPs a token, as llm.c and
+    MaxText count); `mfu_full_attn` beside it, the figure logged before, the whole L x L (nanoGPT's and
+    PaLM's): at the step's own tokens/s they differ by exactly that half over the peak."""
+    peak = 2.5e10 * 8  # tiny.yaml's nominal log.peak_flops, per device, x its 8 fake devices
+    half = 6 * 2 * 64 * 64  # MICRO: 2 layers, d_model 64, seq_len 64
+    steps = [e for e in events(done[0]) if e["event"] == "step"]
+    assert len(steps) == 12
+    for e in steps:
+        assert 0 < e["mfu"] < e["mfu_full_attn"], e
+        assert (e["mfu_full_attn"] - e["mfu"]) * peak / e["tokens_per_s"] == pytest.approx(half, rel=1e-9), e
+
+
 def _bad_inputs(tmp: Path, run: Path) -> list[tuple[list[str], str]]:
     (tmp / "binary.yaml").write_bytes(bytes(range(256)))
     (tmp / "latin1.yaml").write_bytes("run:\n  dir: café\n".encode("latin-1"))

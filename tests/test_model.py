@@ -17,7 +17,7 @@ import pytest
 
 from trainer.config import ModelConfig, OptimConfig
 from trainer.core.layers import add_bias
-from trainer.core.model import GPT, REMAT_POLICIES, flops_per_token
+from trainer.core.model import GPT, REMAT_POLICIES, attention_flops_per_token, flops_per_token
 from trainer.core.optim import make_optimizer
 
 CFG = ModelConfig(vocab_size=384, seq_len=32, d_model=64, n_layers=2, n_heads=4)
@@ -80,11 +80,17 @@ def _same_loss_and_grads(name: str, got, want) -> None:
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_flops_per_token_counts_attention():
+def test_flops_per_token_counts_attention_s_causal_half_and_the_whole_beside_it():
+    """The MFU's attention term is the causal half, 6 x layers x D x L a token (llm.c's and MaxText's count);
+    causal=False gives the whole L x L (nanoGPT's and PaLM's), twice it. 32 more positions add 32 x D
+    position lookups, which are no matmul."""
     n = 1_000_000
-    base = flops_per_token(CFG, n)
-    longer = flops_per_token(ModelConfig(**{**CFG.__dict__, "seq_len": 64}), n)
-    assert longer - base == 12 * CFG.n_layers * CFG.d_model * 32 - 6 * 32 * CFG.d_model
+    longer_cfg = ModelConfig(**{**CFG.__dict__, "seq_len": 64})
+    base, longer = flops_per_token(CFG, n), flops_per_token(longer_cfg, n)
+    assert longer - base == 6 * CFG.n_layers * CFG.d_model * 32 - 6 * 32 * CFG.d_model
+    full = flops_per_token(CFG, n, causal=False)
+    assert full - base == 6 * CFG.n_layers * CFG.d_model * CFG.seq_len
+    assert attention_flops_per_token(CFG, causal=False) == 2 * attention_flops_per_token(CFG)
 
 
 # model.py's docstring, for CFG: D=64, H=4, K=16, F=256, V=384, L=32, N=2 (scanned).
@@ -295,9 +301,11 @@ def test_llama_under_every_remat_policy_and_mqa_computes_the_same_loss_and_gradi
 
 
 def test_llama_flops_count_gqa_swiglu_and_no_lookups():
-    """6 x (the params that enter a matmul) + 12 N D L: the untied input embedding is a lookup, and there is no
-    positional table; GQA's and SwiGLU's sizes come in through the params themselves."""
+    """6 x (the params that enter a matmul) + 6 N D L (attention's causal half; 12 N D L for the whole L x L):
+    the untied input embedding is a lookup, and there is no positional table; GQA's and SwiGLU's sizes come
+    in through the params themselves."""
     matmul = N * (D * H * K + D * 2 * G * K + H * K * D + 3 * D * FS) + D * V  # q, kv, o, gate|up + down, head
     norms = N * (2 * D + 2 * K) + D
     n_params = matmul + norms + V * D  # + the input embedding
-    assert flops_per_token(LLAMA, n_params) == 6 * (matmul + norms) + 12 * N * D * L
+    assert flops_per_token(LLAMA, n_params) == 6 * (matmul + norms) + 6 * N * D * L
+    assert flops_per_token(LLAMA, n_params, causal=False) == 6 * (matmul + norms) + 12 * N * D * L

@@ -116,8 +116,9 @@ def test_compiled_step_moves_what_the_plan_says(tmp_path):
     assert temp["fsdp8"] < temp["data8"]
 
 
-# Attention-heavy on one device (L = 256 against D = 64), so the whole L x L the loop's MFU formula counts
-# exceeds what the compiled step computes: the old "model FLOPs / compiled matmuls" ceiling read ~116% here.
+# Attention-heavy on one device (L = 256 against D = 64), so the whole L x L that the loop's MFU counted before
+# (its mfu_full_attn) exceeds what the compiled step computes: the old "model FLOPs / compiled matmuls" ceiling
+# read ~116% here.
 LONG = ["model.seq_len=256", "model.d_model=64", "model.n_heads=4", "model.n_layers=2", "data.batch_size=4"]
 ONE_DEVICE = ["mesh.cpu_devices=1", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]
 
@@ -130,17 +131,25 @@ def test_inspect_mfu_ceiling_counts_useful_flops_and_cannot_pass_100_percent():
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout)
     f, ceiling = r["flops_per_device_per_step"], r["mfu_ceiling"]
-    print(f"flops {f}; ceiling {ceiling}; old model/compiled {f['model'] / f['compiled_matmul']:.3f}")
+    print(f"flops {f}; ceiling {ceiling}; old model/compiled {f['model_full_attn'] / f['compiled_matmul']:.3f}")
     assert 0.5 < ceiling["serial"] <= ceiling["compute"] <= 1.0
-    assert f["model"] > f["compiled_matmul"]  # the case the old definition read above 100%
+    assert f["model_full_attn"] > f["compiled_matmul"]  # the case the old definition read above 100%
     # useful = 6 x the params in matmuls (12 D^2 a layer, and the tied head V x D) plus QK^T and PV, forward
-    # and backward, for the causal half: 12 x layers x D x L x (L + 1) / 2L a token.
+    # and backward, for the causal half: 6 x layers x D x L a token, the loop's MFU's own attention term.
     D, L, V, layers, tokens = 64, 256, 384, 2, 4 * 256
-    assert f["useful"] == (6 * (layers * 12 * D * D + V * D) + 6 * layers * D * (L + 1)) * tokens
+    assert f["useful"] == (6 * (layers * 12 * D * D + V * D) + 6 * layers * D * L) * tokens
+    assert f["model_full_attn"] - f["model"] == 6 * layers * D * L * tokens
     assert f["attention_kernel"] == 0 and ceiling["compute"] == f["useful"] / f["compiled_matmul"]
+    assert sum(r["matmul_flops_by_operand_dtypes"].values()) == pytest.approx(f["compiled_matmul"])
+    # The head's matmuls carry the vocabulary: the logits and both their gradients (a loss that fuses the
+    # head may compute the logits inside the backward pass); this config computes in f32, so none is bf16.
+    phases = [m["phase"] for m in r["vocab_matmuls"]]
+    assert r["vocab_dims"] == [V] and len(phases) >= 3 and "backward" in phases, r["vocab_matmuls"]
+    assert r["vocab_matmuls_bf16"] is False and all("f32[" in m["operands"][0] for m in r["vocab_matmuls"])
     text = render(r)
     line = next(x for x in text.splitlines() if x.startswith("MFU ceiling on H200"))
     assert "at most 100%" in line and f"x{f['model'] / f['useful']:.3f}" in line, line
+    assert "matmuls with the vocabulary (a dim of 384): all bf16 operands: NO" in text, text
 
 
 @pytest.mark.parametrize("kv, tensor, sharded", [(2, 2, True), (4, 2, True), (1, 2, False), (2, 4, False)])

@@ -196,6 +196,8 @@ def test_from_run_uses_measurements(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert r["inputs"]["interval_min"] == pytest.approx(rec)  # no --interval-min: evaluated at the recommendation
     assert r["inputs"]["restart_min"] == pytest.approx(5.0) and r["inputs"]["mfu"] == 0.42
     assert any("unreadable" in n for n in r["from_run"]["notes"])
+    # These step events have no mfu_full_attn: their mfu is the whole-L x L figure logged before issue 47.
+    assert any(n.startswith("mfu: median of 3 step events (logged before issue 47") for n in r["from_run"]["notes"])
     rc, out, _ = run_cli(capsys, "--from-run", str(tmp_path), "--interval-min", "30", "--json")
     assert json.loads(out)["inputs"]["interval_min"] == 30
 

@@ -1,7 +1,12 @@
 """What one run of an optimized HLO module moves and computes, read from its text (`compiled.as_text()`
-or XLA's `*after_optimizations.txt` dump): collective bytes by kind and matmul FLOPs per device, with
-loop bodies counted as often as their known trip count runs them. The one definition of "collective
-bytes" that `python -m trainer inspect` and the CI budget test share.
+or XLA's `*after_optimizations.txt` dump): collective bytes by kind, and every matmul with its operand
+dtypes and FLOPs per device, with loop bodies counted as often as their known trip count runs them. The one
+definition of "collective bytes" that `python -m trainer inspect` and the CI budget test share.
+
+Matmuls: `dot`s (also inside fusions: XLA:CPU's, and XLA:GPU's Triton and cuDNN GEMM fusions, whose called
+computation holds the dot) and XLA:GPU's library calls, a `custom-call` to cuBLAS (`__cublas$gemm`,
+`__cublas$lt$matmul`, `__cublas$lt$matmul$f8`, ...) whose contracting dims are in its backend_config.
+cuDNN's fused attention (`__cudnn$fmha...`) is counted apart, by target: it is attention, not a GEMM.
 
 Collective bytes of one op, per device: the all-gather's result; the all-reduce's, reduce-scatter's,
 all-to-all's and collective-permute's operand (the full buffer each device contributes). Async pairs
@@ -38,6 +43,10 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\(
 _CALLS = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_CONTRACT_ATTR = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+_CONTRACT_JSON = re.compile(r'"lhs_contracting_dimensions":\s*\[([^\]]*)\]')
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _PARAM = re.compile(r"([\w.\-]+):\s*(\([^)]*\)|[\w\[\]{},:]+)")
 _MESH_GROUPS = re.compile(
     r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))?"
@@ -63,6 +72,22 @@ def _dims(type_text: str) -> list[int]:
     return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
+def _dtype(type_text: str) -> str:
+    m = _SHAPE.search(type_text)
+    return m.group(1) if m else "?"
+
+
+def is_matmul_call(target: str) -> bool:
+    """A custom call that is a GEMM: cuBLAS's (and hipBLAS's, which XLA names the same) plain and Lt calls,
+    the f8 and other Lt variants included; not its triangular solve or LU (`__cublas$triangularSolve`, ...)."""
+    return target == "__cublas$gemm" or target.startswith("__cublas$lt$matmul")
+
+
+def is_attention_call(target: str) -> bool:
+    """cuDNN's fused attention, forward and backward (`__cudnn$fmhaSoftmax`, `...Backward`, `...F8`, ...)."""
+    return target.startswith("__cudnn$fmha")
+
+
 @dataclass
 class _Instr:
     name: str
@@ -70,6 +95,7 @@ class _Instr:
     op: str
     operands: list[str]
     attrs: str
+    args: str = ""  # the text inside op(...): a parameter's index
 
 
 @dataclass
@@ -77,6 +103,7 @@ class _Computation:
     name: str
     instrs: list[_Instr] = field(default_factory=list)
     calls: list[tuple[str, int]] = field(default_factory=list)  # (callee, times per run of this computation)
+    root: str = ""
 
 
 def _split_args(rest: str) -> tuple[str, str]:
@@ -108,7 +135,8 @@ def _parse(text: str) -> tuple[dict[str, _Computation], str, dict[str, str]]:
         name, typ, op, rest = m.groups()
         args, attrs = _split_args(rest)
         types[name] = typ
-        cur.instrs.append(_Instr(name, typ, op, re.findall(r"%([\w.\-]+)", args), attrs))
+        cur.instrs.append(_Instr(name, typ, op, re.findall(r"%([\w.\-]+)", args), attrs, args))
+        cur.root = name if line.lstrip().startswith("ROOT") else cur.root
         trip = int(t.group(1)) if op == "while" and (t := _TRIP.search(attrs)) else 1
         for role, callee in _CALLS.findall(attrs):
             cur.calls.append((callee, trip if role == "body" else 1))
@@ -175,6 +203,27 @@ def crosses_hosts(attrs: str, host_size: int) -> bool | None:
     return None if g is None else any(len({d // host_size for d in grp}) > 1 for grp in g)
 
 
+@dataclass(frozen=True)
+class Matmul:
+    """One matmul instruction of the module (per device)."""
+
+    op: str  # "dot", or the custom call's target ("__cublas$lt$matmul", ...)
+    shape: tuple[int, ...]  # its result
+    operands: tuple[tuple[str, tuple[int, ...]], ...]  # (dtype, dims) of lhs and rhs
+    flops: float  # 2 x result elements x contracted size, one execution
+    times: int  # executions per run of the module (loop bodies times their trip count)
+    phase: str  # "forward" / "backward" from its op_name (jax's jvp / transpose), "" when it says neither
+    program_dtypes: tuple[str, ...] = ()  # lhs's and rhs's before the converts XLA added (`_Upcasts`)
+
+    @property
+    def operand_dtypes(self) -> tuple[str, ...]:
+        return tuple(d for d, _ in self.operands)
+
+    @property
+    def upcast_by_xla(self) -> bool:
+        return bool(self.program_dtypes) and self.program_dtypes != self.operand_dtypes
+
+
 @dataclass
 class StepStats:
     """Per device, per run of the module."""
@@ -182,12 +231,23 @@ class StepStats:
     collective_bytes: dict[str, int]  # by kind
     collective_ops: dict[str, int]  # executed ops by kind (loop bodies times their trip count)
     inter_host_bytes: int  # the part of the collective bytes whose device groups span hosts (unknown: counted)
-    matmul_flops: float  # 2 x M x N x K of every dot, loop bodies times their trip count
+    matmul_flops: float  # 2 x M x N x K of every matmul (dots and cuBLAS calls), times its executions
     unknown_trip_counts: int  # while loops without a known trip count (counted once)
+    matmuls: list[Matmul] = field(default_factory=list)
+    attention_calls: dict[str, int] = field(default_factory=dict)  # cuDNN fused attention: target -> executions
 
     @property
     def total_collective_bytes(self) -> int:
         return sum(self.collective_bytes.values())
+
+    def matmul_flops_by_dtypes(self) -> dict[str, float]:
+        """Matmul FLOPs by the program's operand dtypes ("bf16 x bf16": ...; before XLA:CPU's own upcasts):
+        what a GPU runs at which tensor-core rate."""
+        out: dict[str, float] = {}
+        for mm in self.matmuls:
+            key = " x ".join(mm.program_dtypes or mm.operand_dtypes)
+            out[key] = out.get(key, 0.0) + mm.flops * mm.times
+        return out
 
 
 def _collective_kind(op: str) -> str | None:
@@ -195,32 +255,95 @@ def _collective_kind(op: str) -> str | None:
     return base if base in KINDS else None
 
 
-def _dot_flops(ins: _Instr, types: dict[str, str]) -> float:
-    out = 1
-    for d in _dims(ins.type):
-        out *= d
-    lhs = _dims(types.get(ins.operands[0], "")) if ins.operands else []
-    m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
+_WIDER = {"f32": ("bf16", "f16")}  # a convert to the key from one of these widens
+_SAME_DTYPE = ("bitcast", "copy", "transpose", "reshape")
+
+
+class _Upcasts:
+    """The dtype a value had before the converts XLA added itself. XLA:CPU runs a bf16 x bf16 -> bf16 dot
+    as an f32 dot between converts (a bf16 x bf16 -> f32 dot it keeps): its converts carry no op metadata,
+    the program's own (jax's convert_element_type) do. A GPU keeps such a dot in bf16, so the program's
+    dtype is the one that says what a GPU's matmul takes. Followed through fusions (a fused computation's
+    parameter to its caller's operand, a fusion's result to its root) and dtype-preserving ops."""
+
+    def __init__(self, comps: dict[str, _Computation], types: dict[str, str]):
+        self.types = types
+        self.defs: dict[str, tuple[_Instr, str]] = {}
+        self.callers: dict[str, _Instr] = {}  # fused computation -> the fusion that calls it
+        for comp in comps.values():
+            for ins in comp.instrs:
+                self.defs[ins.name] = (ins, comp.name)
+                if ins.op == "fusion" and (c := re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)):
+                    self.callers[c.group(1)] = ins
+        self.roots = {name: comp.root for name, comp in comps.items()}
+
+    def dtype(self, name: str, depth: int = 0) -> str:
+        own = _dtype(self.types.get(name, ""))
+        ins, comp = self.defs.get(name, (None, ""))
+        if ins is None or depth > 64:
+            return own
+        nxt = None
+        if ins.op == "convert" and "op_name=" not in ins.attrs and ins.operands:
+            src = _dtype(self.types.get(ins.operands[0], ""))
+            nxt = ins.operands[0] if src in _WIDER.get(own, ()) else None
+        elif ins.op in _SAME_DTYPE and ins.operands:
+            nxt = ins.operands[0]
+        elif ins.op == "fusion" and (c := re.search(r"\bcalls=%?([\w.\-]+)", ins.attrs)):
+            nxt = self.roots.get(c.group(1)) or None
+        elif ins.op == "parameter" and comp in self.callers and ins.args.strip().isdigit():
+            operands = self.callers[comp].operands
+            i = int(ins.args)
+            nxt = operands[i] if i < len(operands) else None
+        if nxt is None:
+            return own
+        before = self.dtype(nxt, depth + 1)
+        return before if before in _WIDER.get(own, ()) else own
+
+
+def _matmul(ins: _Instr, op: str, types: dict[str, str], times: int, upcasts: _Upcasts) -> Matmul:
+    """A dot's or a cuBLAS call's record. The call's result is a tuple (the product, then cuBLAS's workspace):
+    its first array is the product; its contracting dims are in its backend_config's dot_dimension_numbers.
+    Its operands after lhs and rhs (a bias, the f8 scales) take no part in the FLOPs."""
+    shape = tuple(_dims(ins.type))
+    operands = tuple((_dtype(types.get(o, "")), tuple(_dims(types.get(o, "")))) for o in ins.operands[:2])
+    m = _CONTRACT_ATTR.search(ins.attrs) if op == "dot" else _CONTRACT_JSON.search(ins.attrs)
+    lhs = operands[0][1] if operands else ()
     k = 1
-    for d in (int(x) for x in m.group(1).split(",") if x) if m else ():
+    for d in (int(x.strip().strip('"')) for x in m.group(1).split(",") if x.strip()) if m else ():
         k *= lhs[d] if d < len(lhs) else 1
-    return 2.0 * out * k
+    out = 1
+    for d in shape:
+        out *= d
+    name = (n.group(1) if (n := _OP_NAME.search(ins.attrs)) else "").split("/")
+    # jax names the backward pass's ops transpose(jvp(...)), the forward's jvp(...); remat's recompute is
+    # forward work that runs in the backward: its op_name says jvp, so it is counted forward.
+    phase = "backward" if any(p.startswith("transpose(") for p in name) else ""
+    phase = phase or ("forward" if any(p.startswith("jvp(") for p in name) else "")
+    program = tuple(upcasts.dtype(o) for o in ins.operands[:2])
+    return Matmul(op, shape, operands, 2.0 * out * k, times, phase, program)
 
 
 def analyze(text: str, host_size: int = 8) -> StepStats:
     """Per-device totals of one run of the module. `host_size`: devices per host, for `inter_host_bytes`."""
     comps, entry, types = _parse(text)
+    upcasts = _Upcasts(comps, types)
     times = _multipliers(comps, entry)
     nbytes = dict.fromkeys(KINDS, 0)
     nops = dict.fromkeys(KINDS, 0)
-    flops = 0.0
+    matmuls: list[Matmul] = []
+    attention: dict[str, int] = {}
     unknown = inter = 0
     for name, k in times.items():
         for ins in comps[name].instrs:
             if ins.op == "while" and not _TRIP.search(ins.attrs):
                 unknown += 1
             if ins.op == "dot":
-                flops += k * _dot_flops(ins, types)
+                matmuls.append(_matmul(ins, "dot", types, k, upcasts))
+            elif ins.op == "custom-call" and (t := _TARGET.search(ins.attrs)):
+                if is_matmul_call(t.group(1)):
+                    matmuls.append(_matmul(ins, t.group(1), types, k, upcasts))
+                elif is_attention_call(t.group(1)):
+                    attention[t.group(1)] = attention.get(t.group(1), 0) + k
             kind = _collective_kind(ins.op)
             if kind is None:
                 continue
@@ -233,4 +356,5 @@ def analyze(text: str, host_size: int = 8) -> StepStats:
             nbytes[kind] += k * size
             nops[kind] += k
             inter += k * size if crosses_hosts(ins.attrs, host_size) is not False else 0
-    return StepStats(nbytes, nops, inter, flops, unknown)
+    flops = sum(mm.flops * mm.times for mm in matmuls)
+    return StepStats(nbytes, nops, inter, flops, unknown, matmuls, attention)

@@ -2,8 +2,9 @@
 
 Compiles the config's train step for its mesh without training or allocating the state, and reports per
 device what XLA's compiled executable says: state bytes, temporary (activation) bytes from its memory
-analysis, collective bytes per step by kind and matmul FLOPs from its optimized HLO (trainer.core.hlo),
-and an MFU ceiling for a GPU. Without enough GPUs here it compiles on fake CPU devices of the mesh's size.
+analysis, collective bytes per step by kind and matmul FLOPs from its optimized HLO (trainer.core.hlo:
+dots and, on a GPU, cuBLAS custom calls), the operand dtypes of the matmuls that carry the vocabulary, and
+an MFU ceiling for a GPU. Without enough GPUs here it compiles on fake CPU devices of the mesh's size.
 """
 
 from __future__ import annotations
@@ -28,17 +29,27 @@ MEM_FRACTION = 0.90  # of device memory XLA may use (launch/slurm.sbatch's XLA_P
 
 HELP = """MFU ceilings (peak = the GPU's dense bf16 figure). They count "useful" FLOPs: 6 per token for each
 param that enters a matmul (the kernels and the LM head; not norms, biases or the position table) plus
-attention's causal half (each query against the keys up to it), the least any exact causal step computes.
-"compute" = useful FLOPs / the step's matmul FLOPs (the compiled HLO's dots, plus the useful attention FLOPs
-when cuDNN's fused kernel runs it, a kernel being no matmul in the HLO): the MFU if every matmul ran at peak
-and nothing else took time. It cannot pass 100%; remat recompute and attention work the mask throws away
-lower it (XLA's path computes the blocks on and below the diagonal, 5/8 of L x L). "serial" also adds the
-collectives' time at the link's bandwidth (NVLink inside a host of 8, the network for groups that span
-hosts; all-reduce counted twice, as a ring moves it) as if none overlapped with compute.
-The MFU the training loop logs uses the usual model-FLOPs formula (6 x params plus the whole L x L
-attention, as PaLM counts it): the same step at the same speed reads "model / useful" times this scale, so
-it can read above these ceilings, even above 100% (the L x L counts about 3/8 more attention work than
-XLA's blocked path and twice the causal half).
+attention's causal half (6 x layers x D x L a token, L/2 keys per query on average, as llm.c and MaxText
+count: trainer.core.model.attention_flops_per_token, the loop's MFU's own term), no more than any exact
+causal step computes. "compute" = useful FLOPs / the step's matmul FLOPs (the compiled HLO's dots and cuBLAS
+calls, plus the useful attention FLOPs when cuDNN's fused kernel runs it, a kernel being no matmul in the
+HLO): the MFU if every matmul ran at peak and nothing else took time. It cannot pass 100%; remat recompute
+and attention work the mask throws away lower it (XLA's path computes the blocks on and below the diagonal,
+5/8 of L x L). "serial" also adds the collectives' time at the link's bandwidth (NVLink inside a host of 8,
+the network for groups that span hosts; all-reduce counted twice, as a ring moves it) as if none overlapped
+with compute.
+The MFU the training loop logs (`mfu`) is 6 x params plus the same causal half: the same step at the same
+speed reads "model / useful" times this scale (a little above 1: norms and biases count as params there).
+Its `mfu_full_attn` is the figure logged before, the whole L x L as nanoGPT and PaLM count it (FLOPs
+"model_full_attn"): it can read above these ceilings, even above 100% (the L x L counts about 3/8 more
+attention work than XLA's blocked path and twice the causal half).
+Vocabulary matmuls: every matmul with an operand dimension of the vocabulary's size (or of its shard over
+the tensor axis), with its operand dtypes and its pass (forward / backward, from jax's op names in the HLO;
+remat's recompute reads forward); "vocab_matmuls_bf16" says whether all of them take bf16 operands (null
+when none is found, e.g. a loss that chunks the vocabulary). Operand dtypes (here and by FLOPs) are the
+program's: XLA:CPU runs a bf16 x bf16 -> bf16 dot as an f32 dot between converts it adds itself (those
+without jax's op metadata; it keeps a bf16 x bf16 -> f32 dot), a GPU keeps it in bf16, so the dtypes are
+read from before those converts ("upcast_by_xla" marks such a matmul).
 A real step lands below both ceilings: elementwise work, attention kernels and launch gaps are not counted.
 On fake CPU devices the memory figures are the CPU compiler's: attention there materialises the scores
 (the blocks on and below the diagonal, 5/8 of L x L; cuDNN's fused kernel keeps none), so temp bytes are
@@ -136,6 +147,7 @@ def measure(cfg: Config, devices: list, gpu: str) -> dict:
     cost = cost[0] if isinstance(cost, list) else cost  # older jax returned one dict per program
     tokens_per_device = cfg.data.batch_size * cfg.model.seq_len / n
     model_flops = flops_per_token(cfg.model, param_count(spec.abstract)) * tokens_per_device
+    model_full_attn = flops_per_token(cfg.model, param_count(spec.abstract), causal=False) * tokens_per_device
     useful = useful_flops_per_token(cfg, spec.abstract["params"])
     useful_flops = (useful.matmul_params + useful.attention) * tokens_per_device
     # cuDNN's fused attention is a custom call, not a dot in the HLO: its work joins the step's matmul FLOPs
@@ -165,12 +177,16 @@ def measure(cfg: Config, devices: list, gpu: str) -> dict:
         "collective_bytes_total": stats.total_collective_bytes,
         "collective_bytes_inter_host": stats.inter_host_bytes,
         "flops_per_device_per_step": {
-            "model": model_flops,  # the training loop's MFU formula: the whole L x L attention
+            "model": model_flops,  # the training loop's `mfu`: 6 x params + attention's causal half
+            "model_full_attn": model_full_attn,  # its `mfu_full_attn`: the whole L x L (the figure before)
             "useful": useful_flops,  # the ceilings' numerator: matmul params and attention's causal half
             "compiled_matmul": stats.matmul_flops,
             "attention_kernel": kernel_flops,  # cuDNN's fused attention at the causal half; 0 when XLA's path
             "xla_cost_analysis": float(cost.get("flops", 0.0)),  # counts each loop body once
         },
+        "matmul_flops_by_operand_dtypes": stats.matmul_flops_by_dtypes(),
+        "attention_custom_calls": stats.attention_calls,  # cuDNN fused attention: target -> executions per step
+        **vocab_matmuls(stats.matmuls, vocab_dims(cfg)),
         "unknown_loop_trip_counts": stats.unknown_trip_counts,
         **_ceiling(gpu, useful_flops, stats.matmul_flops + kernel_flops, stats, peak_bytes),
     }
@@ -181,11 +197,45 @@ class UsefulFlops:
     """Training FLOPs per token that any exact step must compute (the MFU ceilings' numerator)."""
 
     matmul_params: float  # 6 x the params that enter a matmul: forward, input gradient, weight gradient
-    attention: float  # QK^T and PV, forward and backward, for the causal half of L x L (the diagonal included)
+    attention: float  # QK^T and PV, forward and backward, for the causal half of L x L (L/2 keys a query)
+
+
+def vocab_dims(cfg: Config) -> list[int]:
+    """The sizes the vocabulary dimension takes in the per-device HLO: whole, or its shard over the tensor
+    axis (the logical rules put "vocab" on it), unless that shard size is also the model's width."""
+    v, t = cfg.model.vocab_size, cfg.mesh.tensor
+    shard = v // t if t > 1 and v % t == 0 and v // t not in (cfg.model.d_model, cfg.model.seq_len) else None
+    return [v] if shard is None else [v, shard]
+
+
+def vocab_matmuls(matmuls: list, dims: list[int]) -> dict:
+    """Every matmul with an operand dimension in `dims` (the vocabulary), as {op, shape (its result),
+    operands ("bf16[768,50304]", ...: the program's dtypes), upcast_by_xla, phase, times per step}, and
+    whether all take bf16 operands (None when there is none)."""
+    found = [mm for mm in matmuls if any(d in dims for _, shape in mm.operands for d in shape)]
+    rows = [
+        {
+            "op": mm.op,
+            "shape": list(mm.shape),
+            "operands": [f"{d}[{','.join(map(str, s))}]" for d, (_, s) in zip(_dtypes(mm), mm.operands)],
+            "upcast_by_xla": mm.upcast_by_xla,
+            "phase": mm.phase or "unknown",
+            "times": mm.times,
+        }
+        for mm in found
+    ]
+    bf16 = all(d == "bf16" for mm in found for d in _dtypes(mm)) if found else None
+    return {"vocab_dims": dims, "vocab_matmuls": rows, "vocab_matmuls_bf16": bf16}
+
+
+def _dtypes(mm) -> tuple[str, ...]:
+    return mm.program_dtypes or mm.operand_dtypes
 
 
 def useful_flops_per_token(cfg: Config, params) -> UsefulFlops:
     import jax
+
+    from trainer.core.model import attention_flops_per_token
 
     def in_matmul(path) -> bool:
         name = path[-1].key
@@ -194,10 +244,7 @@ def useful_flops_per_token(cfg: Config, params) -> UsefulFlops:
 
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     matmul_params = sum(int(x.size) for path, x in leaves if in_matmul(path))
-    m, L = cfg.model, cfg.model.seq_len
-    # flops_per_token's 12 x N x D x L (every query against all L keys), scaled to the (L + 1) / 2 keys a
-    # query sees on average under the causal mask.
-    return UsefulFlops(6.0 * matmul_params, 6.0 * m.n_layers * m.d_model * (L + 1))
+    return UsefulFlops(6.0 * matmul_params, float(attention_flops_per_token(cfg.model, causal=True)))
 
 
 def _ceiling(gpu: str, useful_flops: float, step_flops: float, stats, peak_bytes: int) -> dict:
@@ -245,13 +292,29 @@ def render(r: dict) -> str:
         f"  {'total':<28} {_fmt_bytes(r['collective_bytes_total'])}"
         f" ({_fmt_bytes(r['collective_bytes_inter_host'])} across hosts of {HOST_GPUS})",
         "",
-        f"FLOPs per device per step: model {f['model']:.3g} (the loop's MFU: attention's whole L x L), useful "
-        f"{f['useful']:.3g} (attention's causal half), compiled matmuls {f['compiled_matmul']:.3g}"
+        f"FLOPs per device per step: model {f['model']:.3g} (the loop's MFU: attention's causal half; "
+        f"{f['model_full_attn']:.3g} with the whole L x L, its mfu_full_attn), useful "
+        f"{f['useful']:.3g} (matmul params and attention's causal half), compiled matmuls {f['compiled_matmul']:.3g}"
         + (f" + cuDNN attention {f['attention_kernel']:.3g}" if f["attention_kernel"] else "")
         + f", XLA cost analysis {f['xla_cost_analysis']:.3g} (loop bodies once)",
+        "compiled matmul FLOPs by operand dtypes: "
+        + ", ".join(f"{k} {v / f['compiled_matmul']:.1%}" for k, v in r["matmul_flops_by_operand_dtypes"].items()),
+        *(
+            [f"cuDNN fused attention calls per step: {', '.join(f'{k} x{v}' for k, v in calls.items())}"]
+            if (calls := r["attention_custom_calls"])
+            else []
+        ),
         f"MFU ceiling on {r['gpu']} (useful FLOPs / the step's at peak; at most 100%): compute "
         f"{_pct(r['mfu_ceiling']['compute'])}, with collectives serial {_pct(r['mfu_ceiling']['serial'])}; "
         f"the loop's MFU reads x{f['model'] / f['useful']:.3f} of this scale (see --help)",
+        "",
+        f"matmuls with the vocabulary (a dim of {' or '.join(map(str, r['vocab_dims']))}): all bf16 operands: "
+        + {True: "yes", False: "NO", None: "none found"}[r["vocab_matmuls_bf16"]],
+        *(
+            f"  {m['phase']:<9} {' x '.join(m['operands'])} -> {m['shape']}  x{m['times']}  {m['op']}"
+            + ("  (compiled with XLA's own upcast)" if m["upcast_by_xla"] else "")
+            for m in r["vocab_matmuls"]
+        ),
     ]
     return "\n".join(lines)
 

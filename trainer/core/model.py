@@ -318,16 +318,24 @@ def param_axes(model: GPT, params=None):
     return nn.get_partition_spec(abstract_params(model) if params is None else params)
 
 
-def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
-    """Training FLOPs per token: 6 x the params that enter a matmul (fwd + bwd), plus attention scores.
+def attention_flops_per_token(cfg: ModelConfig, *, causal: bool = True) -> float:
+    """Training FLOPs per token of attention's scores: QK^T and PV (2 matmuls x 2 FLOPs per multiply-add x
+    3 for forward + backward) for every query head against the keys it is counted against. `causal`, the
+    convention of the MFU we log and of `inspect`'s ceilings: the causal half, L/2 keys per query on average,
+    6 x layers x D x L (llm.c's and MaxText's count); otherwise all L keys, 12 x layers x D x L (nanoGPT's
+    and PaLM's). K/V heads do not change it (each query head still scores its keys)."""
+    return (6 if causal else 12) * cfg.n_layers * cfg.d_model * cfg.seq_len
+
+
+def flops_per_token(cfg: ModelConfig, n_params: int, *, causal: bool = True) -> float:
+    """Training FLOPs per token, the MFU's numerator: 6 x the params that enter a matmul (fwd + bwd), plus
+    attention's scores (`attention_flops_per_token`: the causal half by default, as llm.c and MaxText count;
+    `causal=False` gives the whole L x L, as nanoGPT and PaLM count, 12 x layers x D x L against 6).
 
     Lookups are not matmuls: the learned positions, and the input embedding when an untied LM head exists
     (tied, wte is the head). GQA's smaller K/V projections and SwiGLU's three matrices enter through the
-    params themselves. Attention: QK^T and PV for every query head against all L keys, fwd + bwd, the causal
-    half NOT taken (as nanoGPT and PaLM's MFU count it; `inspect`'s ceilings use the causal half); K/V heads
-    do not change it (each query head still scores L keys)."""
+    params themselves."""
     n_lookup = cfg.seq_len * cfg.d_model if cfg.position == "learned" else 0
     if not cfg.tie_embeddings:
         n_lookup += cfg.vocab_size * cfg.d_model
-    attn = 12 * cfg.n_layers * cfg.d_model * cfg.seq_len
-    return 6 * (n_params - n_lookup) + attn
+    return 6 * (n_params - n_lookup) + attention_flops_per_token(cfg, causal=causal)

@@ -25,7 +25,10 @@ class StepLog:
         cfg = w.cfg
         self.w, self.flags = w, flags
         self.tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
+        # MFU counts attention's causal half (llm.c's and MaxText's convention, the anchors we compare with);
+        # `mfu_full_attn` beside it is the whole L x L (nanoGPT's and PaLM's), the figure logged before.
         self.flops_per_token = flops_per_token(cfg.model, w.n_params)
+        self.flops_per_token_full_attn = flops_per_token(cfg.model, w.n_params, causal=False)
         self.peak = mesh_lib.peak_flops(cfg.log.peak_flops) * jax.device_count()
         self.progress = Progress(cfg.train.steps, cfg.log.progress and w.primary)
         self.pending = None  # (step, metrics on device, data wait s)
@@ -86,6 +89,7 @@ class StepLog:
             rec["eval_s"] = self.eval_s
         if self.peak:
             rec["mfu"] = tps * self.flops_per_token / self.peak
+            rec["mfu_full_attn"] = tps * self.flops_per_token_full_attn / self.peak
         w.events.write(STEP, step=step, **rec)
         for mon in w.monitors:
             if (action := mon.on_step(step, rec)) is not None:

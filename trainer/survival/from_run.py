@@ -50,18 +50,23 @@ def load_run(run_dir: Path) -> tuple[dict[str, float], list[str]]:
     notes: list[str] = []
     blocking: list[float] = []
     mfus: list[float] = []
+    causal = False  # the run logged `mfu_full_attn` beside `mfu`: its mfu counts attention's causal half
     for ev in _events(run_dir / rundir.EVENTS, notes):
         if ev.get("event") == CHECKPOINT_SAVED and _nonneg(ev.get("blocking_s")):
             blocking.append(float(ev["blocking_s"]))
         elif ev.get("event") == STEP and _nonneg(ev.get("mfu")) and 0 < ev["mfu"] <= 1:
             mfus.append(float(ev["mfu"]))
+            causal = causal or "mfu_full_attn" in ev
     # Medians: the first save and the steps after a restart include compilation and warm-up.
     if blocking:
         found["stall_s"] = statistics.median(blocking)
         notes.append(f"stall: median blocking_s of {len(blocking)} checkpoint_saved events")
     if mfus:
         found["mfu"] = statistics.median(mfus)
-        notes.append(f"mfu: median of {len(mfus)} step events")
+        notes.append(
+            f"mfu: median of {len(mfus)} step events"
+            + ("" if causal else " (logged before issue 47: it counts the whole L x L attention, not the causal half)")
+        )
     restart_s, note = _restart_from_summary(run_dir / rundir.SUMMARY)
     if restart_s is not None:
         found["restart_s"] = restart_s
