@@ -64,6 +64,7 @@ class ModelConfig:
     scan: bool = True  # scan over layers (compile time flat in depth); false unrolls them
     tie_embeddings: bool = True
     bias: bool = True  # biases in the projections and LayerNorms (GPT-2); false drops them all (nanodo, OLMo)
+    loss_chunk: int = 0  # LM head + loss over slices of this many positions (core.loss); 0 = auto (<= 1 GiB logits)
 
 
 @dataclass

@@ -51,10 +51,10 @@ _POSITIVE = (
 ).split()
 
 _NON_NEGATIVE = (
-    "model.d_ff model.n_kv_heads train.z_loss optim.warmup_steps train.stop_at_step checkpoint.every_steps "
-    "checkpoint.keep_every checkpoint.auto_devices mesh.cpu_devices checkpoint.local_every_steps "
-    "checkpoint.local_every_minutes integrity.replica_check_steps log.peak_flops data.prefetch "
-    "supervisor.max_restarts eval.every_steps launch.suspect_retry_minutes launch.cpus_per_process "
+    "model.d_ff model.n_kv_heads model.loss_chunk train.z_loss optim.warmup_steps train.stop_at_step "
+    "checkpoint.every_steps checkpoint.keep_every checkpoint.auto_devices mesh.cpu_devices "
+    "checkpoint.local_every_steps checkpoint.local_every_minutes integrity.replica_check_steps log.peak_flops "
+    "data.prefetch supervisor.max_restarts eval.every_steps launch.suspect_retry_minutes launch.cpus_per_process "
     "supervisor.storage_wait_minutes"
 ).split()
 
@@ -95,6 +95,8 @@ def _validate_model_and_run(cfg: Config) -> None:
             raise ConfigError(f"model.{key} must be {say}, got {getattr(m, key)!r}")
     if m.position == "rope" and (m.d_model // m.n_heads) % 2:
         raise ConfigError(f"model.position=rope needs an even head dim (d_model / n_heads = {m.d_model // m.n_heads})")
+    if m.loss_chunk and m.seq_len % m.loss_chunk:
+        raise ConfigError(f"model.loss_chunk ({m.loss_chunk}) must divide model.seq_len ({m.seq_len}), or be 0 (auto)")
     if (remat := cfg.model.remat) not in REMAT:  # was a bool: say which policy the old value meant
         was = {"True": "; true is now full", "False": "; false is now none"}.get(remat, "")
         raise ConfigError(f"model.remat must be one of {', '.join(REMAT)}, got {remat!r}{was}")

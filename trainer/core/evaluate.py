@@ -9,8 +9,8 @@ import time
 
 import jax
 import numpy as np
-import optax
 
+from trainer.core import loss as loss_lib
 from trainer.core import mesh as mesh_lib
 from trainer.core.state import StateSpec
 
@@ -19,9 +19,7 @@ def make_eval_step(spec: StateSpec, batch_sharding, metrics_sharding):
     model = spec.model
 
     def eval_step(params, tokens_BL1):
-        inputs_BL, targets_BL = tokens_BL1[:, :-1], tokens_BL1[:, 1:]
-        logits_BLV = model.apply({"params": params}, inputs_BL, deterministic=True)
-        return optax.softmax_cross_entropy_with_integer_labels(logits_BLV.astype(np.float32), targets_BL).mean()
+        return loss_lib.next_token_loss(model, params, tokens_BL1)[0]  # the train step's head and loss
 
     return jax.jit(eval_step, in_shardings=(spec.shardings["params"], batch_sharding), out_shardings=metrics_sharding)
 

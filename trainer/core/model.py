@@ -281,7 +281,10 @@ class GPT(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_BL, deterministic: bool = True):
+    def __call__(self, tokens_BL, deterministic: bool = True, hidden: bool = False):
+        """The logits [B, L, V] (fp32); with `hidden`, what the LM head multiplies instead: the final norm's
+        output [B, L, D] and the head [D, V], both in the compute dtype (trainer.core.loss takes them, so the
+        loss never holds the whole logits)."""
         cfg, dt = self.cfg, _dtype(self.cfg)
         init = nn.initializers.normal(0.02)
         wte_VD = self.param("wte", P(init, ("vocab", "embed")), (cfg.vocab_size, cfg.d_model))
@@ -301,7 +304,11 @@ class GPT(nn.Module):
         else:
             head_DV = self.param("lm_head", P(init, ("embed", "vocab")), (cfg.d_model, cfg.vocab_size))
         # The LM head multiplies in the compute dtype and accumulates in fp32; the softmax runs in fp32.
-        logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD.astype(dt), head_DV.astype(dt), preferred_element_type=jnp.float32)
+        # Cast while sharded like the param, as Linear does: FSDP gathers the compute dtype.
+        x_BLD, head_DV = x_BLD.astype(dt), nn.with_logical_constraint(head_DV.astype(dt), ("embed", "vocab"))
+        if hidden:
+            return x_BLD, head_DV
+        logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, head_DV, preferred_element_type=jnp.float32)
         return nn.with_logical_constraint(logits_BLV, ("batch", "seq", "vocab"))
 
 

@@ -10,6 +10,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer.config import Config
+from trainer.core import loss as loss_lib
 from trainer.core import mesh as mesh_lib
 from trainer.core import optim
 from trainer.core.state import StateSpec
@@ -18,18 +19,15 @@ from trainer.core.state import StateSpec
 def _grads(spec: StateSpec, mesh: Mesh, microbatches: int, z_loss: float = 0.0):
     """(params, tokens, key) -> (mean loss, mean gradients) over the whole global batch. The loss reported is
     the cross-entropy alone; with train.z_loss the gradients are those of cross-entropy + z_loss x
-    mean(logsumexp(logits)^2), which keeps the softmax normaliser near 1 (PaLM, OLMo)."""
+    mean(logsumexp(logits)^2), which keeps the softmax normaliser near 1 (PaLM, OLMo). The LM head and the
+    loss run slice by slice (trainer.core.loss): the whole logits never exist."""
     model, k = spec.model, microbatches
 
     def loss_fn(params, tokens_BL1, key):
-        logits_BLV = model.apply({"params": params}, tokens_BL1[:, :-1], deterministic=False, rngs={"dropout": key})
-        if z_loss:
-            lse_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
-            # optax's cross-entropy is lse - the label's logit: compute lse once for both terms
-            label_BL = jnp.take_along_axis(logits_BLV, tokens_BL1[:, 1:, None], axis=-1)[..., 0]
-            ce = (lse_BL - label_BL).mean()
-            return ce + z_loss * jnp.mean(jnp.square(lse_BL)), ce
-        return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, tokens_BL1[:, 1:]).mean()
+        ce, total = loss_lib.next_token_loss(
+            model, params, tokens_BL1, z_loss=z_loss, deterministic=False, rngs={"dropout": key}
+        )
+        return (total, ce) if z_loss else ce
 
     grad_fn = jax.value_and_grad(loss_fn)
     if z_loss:  # (ce, grads of the total)

@@ -1,0 +1,122 @@
+"""The LM head and the cross-entropy in one function, over slices of the sequence, so that the step never holds
+the whole (tokens x vocab) logits: at GPT-2 124M's batch (32 x 1024 tokens, vocab 50304) those are 6.6 GB in
+fp32, and their gradient as much again. Levanter (blockwise cross-entropy over the vocabulary) and MaxText
+(vocabulary tiling) do the same for the same reason.
+
+`head_loss_terms(x_BLD, head_DV, labels_BL, chunk)` gives, per token, the log-sum-exp of the logits and the
+label's logit (fp32); the caller forms the cross-entropy (lse - label logit) and the z-loss (lse^2) from them.
+Its custom backward recomputes each slice's logits from x and the head (one extra head matmul forward, the price
+of not keeping them), forms d logits = d_lse x softmax + d_label x onehot in fp32, casts that to the compute
+dtype, and runs both backward matmuls on compute-dtype operands with fp32 accumulation: in bf16 every matmul
+with the vocabulary dimension, forward and backward, runs at the tensor cores' bf16 rate (autodiff of the
+plain einsum takes the fp32 logits' cotangent as an operand, so its two backward matmuls ran in fp32). The
+head's gradient sums over slices in fp32 and is rounded to the head's dtype once, as every other kernel's is.
+
+The label's logit is a one-hot masked sum, not a gather: with the vocabulary sharded over the tensor axis
+each shard sums its own columns and one all-reduce adds them (a gather would collect the logits first).
+Slices run in order under lax.scan: the same program for a run and its resume, so resume stays bitwise.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+LOGITS = ("batch", "seq", "vocab")
+SLICE_BYTES = 1 << 30  # auto slices: at most 1 GiB of fp32 logits across the global batch per slice
+
+
+def auto_chunk(batch: int, seq_len: int, vocab: int) -> int:
+    """Positions per slice: the largest power-of-two divisor of seq_len (or seq_len itself) whose fp32
+    logits for the global batch fit SLICE_BYTES; at least one position. GPT-2 124M (32 x 1024, vocab 50304):
+    128 positions, 8 slices of 0.8 GB; the tiny CPU configs: the whole sequence, one slice."""
+    if batch * seq_len * vocab * 4 <= SLICE_BYTES:
+        return seq_len
+    chunk = 1
+    while seq_len % (chunk * 2) == 0 and batch * chunk * 2 * vocab * 4 <= SLICE_BYTES:
+        chunk *= 2
+    return chunk
+
+
+def _slices(a, chunk: int):
+    """[B, L, ...] -> [L / chunk, B, chunk, ...]: scan's leading axis, the batch (and its sharding) kept."""
+    B, L = a.shape[:2]
+    return jnp.moveaxis(a.reshape(B, L // chunk, chunk, *a.shape[2:]), 1, 0)
+
+
+def _unslice(a):
+    """[C, B, chunk, ...] -> [B, C * chunk, ...]."""
+    a = jnp.moveaxis(a, 0, 1)
+    return a.reshape(a.shape[0], a.shape[1] * a.shape[2], *a.shape[3:])
+
+
+def _logits(x_BCD, head_DV):
+    logits = jnp.einsum("BCD,DV->BCV", x_BCD, head_DV, preferred_element_type=jnp.float32)
+    return nn.with_logical_constraint(logits, LOGITS)
+
+
+def _is_label(labels_BC, V: int):
+    return jax.lax.broadcasted_iota(jnp.int32, (*labels_BC.shape, V), 2) == labels_BC[..., None]
+
+
+def _forward(x_BLD, head_DV, labels_BL, chunk: int):
+    V = head_DV.shape[1]
+
+    def one(_, xs):
+        x_BCD, labels_BC = xs
+        logits_BCV = _logits(x_BCD, head_DV)
+        lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+        label_BC = jnp.sum(jnp.where(_is_label(labels_BC, V), logits_BCV, 0.0), axis=-1)
+        return None, (lse_BC, label_BC)
+
+    _, (lse, label) = jax.lax.scan(one, None, (_slices(x_BLD, chunk), _slices(labels_BL, chunk)))
+    return _unslice(lse), _unslice(label)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def head_loss_terms(x_BLD, head_DV, labels_BL, chunk: int):
+    """(lse [B, L], label logit [B, L]), both fp32, of logits = x @ head (operands in their dtype, fp32
+    accumulation), computed `chunk` positions at a time."""
+    return _forward(x_BLD, head_DV, labels_BL, chunk)
+
+
+def _fwd(x_BLD, head_DV, labels_BL, chunk):
+    lse, label = _forward(x_BLD, head_DV, labels_BL, chunk)
+    return (lse, label), (x_BLD, head_DV, labels_BL, lse)
+
+
+def _bwd(chunk, res, cts):
+    x_BLD, head_DV, labels_BL, lse_BL = res
+    d_lse_BL, d_label_BL = cts
+    V, dt = head_DV.shape[1], head_DV.dtype
+
+    def one(dhead_DV, xs):
+        x_BCD, labels_BC, lse_BC, d_lse_BC, d_label_BC = xs
+        probs_BCV = jnp.exp(_logits(x_BCD, head_DV) - lse_BC[..., None])
+        dlogits_BCV = d_lse_BC[..., None] * probs_BCV + jnp.where(_is_label(labels_BC, V), d_label_BC[..., None], 0.0)
+        dlogits_BCV = nn.with_logical_constraint(dlogits_BCV.astype(dt), LOGITS)
+        dx_BCD = jnp.einsum("BCV,DV->BCD", dlogits_BCV, head_DV, preferred_element_type=jnp.float32)
+        dhead_DV = dhead_DV + jnp.einsum("BCD,BCV->DV", x_BCD, dlogits_BCV, preferred_element_type=jnp.float32)
+        return dhead_DV, dx_BCD.astype(x_BLD.dtype)
+
+    xs = tuple(_slices(a, chunk) for a in (x_BLD, labels_BL, lse_BL, d_lse_BL, d_label_BL))
+    dhead_DV, dx = jax.lax.scan(one, jnp.zeros(head_DV.shape, jnp.float32), xs)
+    return _unslice(dx), dhead_DV.astype(dt), None
+
+
+head_loss_terms.defvjp(_fwd, _bwd)
+
+
+def next_token_loss(model, params, tokens_BL1, *, z_loss: float = 0.0, deterministic: bool = True, rngs=None):
+    """(cross-entropy, cross-entropy + z_loss x mean(lse^2)): the mean next-token loss of `model` (a GPT) on
+    tokens [B, L + 1], the logits made and consumed `model.loss_chunk` positions at a time (0: auto_chunk)."""
+    inputs_BL, labels_BL = tokens_BL1[:, :-1], tokens_BL1[:, 1:]
+    x_BLD, head_DV = model.apply({"params": params}, inputs_BL, deterministic=deterministic, rngs=rngs, hidden=True)
+    B, L = inputs_BL.shape
+    chunk = model.cfg.loss_chunk or auto_chunk(B, L, head_DV.shape[1])
+    lse_BL, label_BL = head_loss_terms(x_BLD, head_DV, labels_BL, chunk)
+    ce = jnp.mean(lse_BL - label_BL)
+    return ce, (ce + z_loss * jnp.mean(jnp.square(lse_BL)) if z_loss else ce)
