@@ -198,12 +198,19 @@ def versions() -> dict:
     return out
 
 
-def git() -> dict:
-    def sh(*cmd: str) -> str:
-        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True).stdout.strip()
+def git(root: Path = ROOT) -> dict:
+    """The commit and the count of uncommitted files; both None where there is no git or no repository (a
+    copy of the tree on another machine): a result is still written, only without them."""
 
-    dirty = sh("git", "status", "--porcelain").splitlines()
-    return {"commit": sh("git", "rev-parse", "HEAD"), "uncommitted_files": len(dirty)}
+    def sh(*cmd: str) -> str | None:
+        try:
+            p = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):  # no git on PATH, or it hung
+            return None
+        return p.stdout.strip() if p.returncode == 0 else None
+
+    commit, dirty = sh("git", "rev-parse", "HEAD"), sh("git", "status", "--porcelain")
+    return {"commit": commit, "uncommitted_files": None if dirty is None else len(dirty.splitlines())}
 
 
 def provenance() -> dict:

@@ -719,9 +719,9 @@ MUTATIONS = [
         "run.deterministic does not add XLA's deterministic-ops flag",
         (
             (
-                "trainer/__main__.py",
-                "    if cfg.run.deterministic and DETERMINISTIC_FLAG not in",
-                "    if False and cfg.run.deterministic and DETERMINISTIC_FLAG not in",
+                "trainer/xla_env.py",
+                "((run.deterministic, DETERMINISTIC_FLAG),",
+                "((False, DETERMINISTIC_FLAG),",
             ),
         ),
         ("tests/test_first_hour.py::test_run_deterministic_adds_its_flag_to_xla_flags",),
@@ -732,9 +732,9 @@ MUTATIONS = [
         "run.deterministic replaces XLA_FLAGS with its flag (the user's own flags are lost)",
         (
             (
-                "trainer/__main__.py",
-                "f\"{os.environ.get(env_vars.XLA_FLAGS, '')} {DETERMINISTIC_FLAG}\".strip()",
-                "DETERMINISTIC_FLAG",
+                "trainer/xla_env.py",
+                'environ[env_vars.XLA_FLAGS] = " ".join([have, *add]).strip()',
+                'environ[env_vars.XLA_FLAGS] = " ".join(add)',
             ),
         ),
         ("tests/test_first_hour.py::test_run_deterministic_adds_its_flag_to_xla_flags",),

@@ -12,7 +12,7 @@ import sys
 
 from conftest import ROOT, child_env
 
-from benchmarks import recovery, run_all, table
+from benchmarks import gpu_check, harness, recovery, run_all, table
 
 KEYS = (
     "step_overhead_ratio",
@@ -137,23 +137,47 @@ def test_kill_after_waits_for_the_checkpoint_to_be_sealed_not_only_committed(tmp
     assert 1.5 <= time.time() - t0 < 5
 
 
-def test_gpu_check_stops_a_part_at_its_time_budget(tmp_path):
-    """gpu_check --cpu-smoke with a 5 s budget, which ends inside the first part (its run alone, a cold
-    compile and 12 steps, took ~8 s on an idle 2-core machine on 2026-12-05, since the suite's trainer
-    processes compile at LLVM level 1: 14 s before; more on a loaded one; the process start and device copy
-    before it 1-3 s): that part is killed then, not checked only between parts, and the parts after it are
-    skipped. (An 8 s budget ended after the part on an idle machine, a 15 s one between two parts: nothing
-    to stop.)"""
-    out, budget = tmp_path / "gpu.json", 5
-    cmd = [sys.executable, "benchmarks/gpu_check.py", "--cpu-smoke", "--budget-s", str(budget), "--work", str(tmp_path)]
-    p = subprocess.run(
-        [*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env()
-    )
+def test_gpu_check_writes_as_it_goes_and_stops_parts_at_their_budgets(tmp_path):
+    """gpu_check --cpu-smoke (issue 47). The 124M run's own budget of 3 s ends inside it (its cold compile and
+    20 steps take ~15 s on 2 idle cores), so it is stopped, its process killed, and the parts after it still
+    run; the whole budget of 30 s ends inside a later part (the smoke takes minutes), which is stopped then, and
+    every part after it is skipped. gpu.json holds every part in order, the provenance and the targets;
+    gpu_logs.txt the stopped run's log tail. Bad arguments are one line and exit 2."""
+    out, budget = tmp_path / "out", 30
+    cmd = [sys.executable, "benchmarks/gpu_check.py", "--cpu-smoke", "--work", str(tmp_path / "work")]
+    bad = [
+        (["--out", str(ROOT / "pyproject.toml")], "is a file; pass a directory"),
+        (["--part-s", "gpt-2b=3"], "no part named 'gpt-2b'"),
+        (["--part-s", "gpt-1b=soon"], "expected NAME=SECONDS"),
+    ]
+    for args, said in bad:
+        p = subprocess.run([*cmd, *args], cwd=ROOT, capture_output=True, text=True, timeout=60, env=child_env())
+        assert p.returncode == 2 and said in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    cmd += ["--out", str(out), "--budget-s", str(budget), "--part-s", "gpt2-124m=3"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env())
     assert p.returncode == 0, p.stderr[-3000:]
-    r = json.loads(out.read_text())
-    parts = ("gpt-1b", "llama-1b", "gpt2-124m", "bitwise_resume")  # gpu_check's order
+    r = json.loads((out / "gpu.json").read_text())
+    parts = list(gpu_check.PART_S)
     print({k: r.get(k) for k in ("wall_s", *parts)})
+    assert [k for k in r if k in gpu_check.PART_S] == parts  # every part, in the order they ran
     assert r["wall_s"] < budget + 10, r["wall_s"]  # the budget, plus killing the run and collecting the result
+    assert r["git"]["commit"] and r["machine"]["cpu_count"] and r["met"]["mfu_124m"] is False
+    assert r["preflight"]["ok"] is False and r["attention"]["why"].startswith("cuDNN attention preflight failed")
+    assert r["gpt2-124m"]["error"].startswith("stopped: its own budget of 3s spent during this part"), r
+    assert "===== gpt2-124m.log" in (out / "gpu_logs.txt").read_text()
     spent = f"time budget of {budget}s spent"
-    assert str(r["gpt-1b"].get("error", "")).startswith(f"stopped: {spent} during"), r
-    assert all(r[k] == {"skipped": spent} for k in parts[1:]), r
+    later = [r[k] for k in parts[parts.index("gpt2-124m") + 1 :]]
+    skipped = [i for i, v in enumerate(later) if v.get("skipped") == spent]
+    assert skipped and skipped == list(range(skipped[0], len(later))), later  # from some part on, all skipped
+    before = later[: skipped[0]]
+    assert before and all("error" not in v for v in before[:-1]), before  # they ran ...
+    last = before[-1]  # ... the last one until the whole budget ended inside it (or just after it)
+    assert "error" not in last or last["error"].startswith(f"stopped: {spent} during this part"), last
+
+
+def test_provenance_without_git_or_outside_a_repository(tmp_path, monkeypatch):
+    """A copy of the tree on a machine without git, or outside a repository: the result's commit is null."""
+    assert harness.git(tmp_path) == {"commit": None, "uncommitted_files": None}
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git on it
+    assert harness.git() == {"commit": None, "uncommitted_files": None}
+    assert harness.provenance()["git"]["commit"] is None

@@ -58,6 +58,8 @@ def test_every_shipped_config_parses_and_has_its_stated_size():
         ("model.n_kv_heads=4", "model.n_heads (6) must be a multiple of model.n_kv_heads (4)"),
         ("model.position=alibi", "model.position must be learned or rope, got 'alibi'"),
         ("model.mlp=relu", "model.mlp must be gelu or swiglu"),
+        ("run.gpu_mem_fraction=1.5", "run.gpu_mem_fraction must be in (0, 1] or 0 (jax's default), got 1.5"),
+        ("run.xla_latency_hiding=sometimes", "run.xla_latency_hiding: expected true/false"),
         ("train.z_loss=-1", "train.z_loss must be >= 0"),
     ],
 )

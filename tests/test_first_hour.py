@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -124,6 +125,49 @@ def test_run_deterministic_adds_its_flag_to_xla_flags(monkeypatch):
     configure_devices(on)
     configure_devices(on)  # a worker restarted in the same environment
     assert os.environ["XLA_FLAGS"] == "--xla_dump_hlo_as_text --xla_gpu_deterministic_ops=true"
+
+
+def test_gpu_settings_are_set_in_one_place_after_the_users_flags(monkeypatch):
+    """Issue 47: run.xla_latency_hiding and run.gpu_mem_fraction set XLA's latency-hiding scheduler flag and
+    XLA_PYTHON_CLIENT_MEM_FRACTION (trainer.xla_env, before jax starts), after the user's flags, once; at
+    their defaults they set nothing (XLA's and jax's defaults, or what the user set, hold). No other module of
+    the trainer names a GPU flag or jax's client variables."""
+    from trainer.__main__ import configure_devices
+    from trainer.config import load_config
+
+    mem = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_hlo_as_text")
+    monkeypatch.setenv(mem, "0.5")
+    configure_devices(load_config(None, []))
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_hlo_as_text" and os.environ[mem] == "0.5"
+    on = load_config(None, ["run.xla_latency_hiding=true", "run.gpu_mem_fraction=0.92", "run.deterministic=true"])
+    configure_devices(on)
+    configure_devices(on)  # a worker restarted in the same environment
+    assert os.environ["XLA_FLAGS"] == (
+        "--xla_dump_hlo_as_text --xla_gpu_deterministic_ops=true --xla_gpu_enable_latency_hiding_scheduler=true"
+    )
+    assert os.environ[mem] == "0.92"
+    for path in sorted((ROOT / "trainer").rglob("*.py")):  # no XLA flag spelled, no XLA variable set elsewhere
+        if path.name != "xla_env.py":
+            text = path.read_text()
+            assert "--xla_" not in text and not re.search(r"environ\[[^\]]*XLA[^\]]*\] =", text), path
+
+
+def test_a_run_records_its_attention_device_and_xla_flags(done):
+    """Issue 47: every attempt's `compiled` event says which attention implementation its step runs
+    (model.attention resolved for the backend), on which device and platform, under which XLA flags; the
+    checkpoint's metadata keeps the same; `status` (and so the report) shows it."""
+    from trainer.config import load_config
+    from trainer.core import tiers
+
+    run = done[0]
+    (c,) = [e for e in events(run) if e["event"] == "compiled"]
+    want = {"attention": "xla", "platform": "cpu", "device_kind": "cpu", "xla_flags": os.environ["XLA_FLAGS"]}
+    assert {k: c.get(k) for k in want} == want and c["gpu_mem_fraction"] == "", c  # the suite's flags, inherited
+    meta = tiers.saved_meta(run, load_config(None, []).checkpoint)
+    assert {k: meta.get(k) for k in want} == want, meta
+    line = next(ln for ln in status.render(runview.load(run)).splitlines() if ln.startswith("device "))
+    assert line == f"device    cpu (cpu)   attention xla   XLA_FLAGS {os.environ['XLA_FLAGS']}", line
 
 
 def test_mfu_counts_attentions_causal_half_and_keeps_the_whole_beside_it(done):

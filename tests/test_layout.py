@@ -124,6 +124,7 @@ RANK = {
     "config_rules": 0.5,  # the rules a built config must satisfy (config's sections only for type checking)
     "config": 1,  # imports yamltree and nothing else of the project
     "observe": 2,  # the run dir's files, their writers and readers
+    "xla_env": 2.5,  # every XLA flag and GPU variable the trainer sets (observe's env_vars names them): jax-free
     "corpus": 3,
     "supervise": 3,
     "survival": 3,

@@ -12,6 +12,7 @@ import sys
 import time
 import traceback
 
+from trainer import xla_env
 from trainer.config import Config, ConfigError, load_config
 from trainer.observe import env_vars
 from trainer.supervise import exit_codes
@@ -73,13 +74,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"  # XLA: run-to-run determinism on GPU (bitwise resume)
-
-
 def configure_devices(cfg: Config) -> None:
-    """Decide the platform, fake device count and XLA flags before jax initialises its backends."""
-    if cfg.run.deterministic and DETERMINISTIC_FLAG not in os.environ.get(env_vars.XLA_FLAGS, ""):
-        os.environ[env_vars.XLA_FLAGS] = f"{os.environ.get(env_vars.XLA_FLAGS, '')} {DETERMINISTIC_FLAG}".strip()
+    """Decide the platform, fake device count and XLA flags before jax initialises its backends. Every GPU
+    flag and variable the trainer sets is set by trainer.xla_env, with its reason."""
+    xla_env.apply(cfg.run)
     if cfg.mesh.cpu_devices:
         os.environ[env_vars.JAX_PLATFORMS] = "cpu"
         import jax

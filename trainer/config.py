@@ -24,6 +24,9 @@ class RunConfig:
     supervise: bool = True  # False runs the worker in this process (debugging)
     compile_cache: str = "~/.cache/trainer/jax"  # JAX persistent compilation cache ("" = off)
     deterministic: bool = False  # GPU: XLA's deterministic ops (bitwise resume on GPU; slower scatters)
+    # The GPU settings below and run.deterministic are set in one place, trainer.xla_env (the reasons beside them)
+    xla_latency_hiding: bool = False  # GPU: XLA's latency-hiding scheduler (overlaps collectives with compute)
+    gpu_mem_fraction: float = 0.0  # GPU: share of memory jax's allocator takes (0 = jax's default, 0.75)
 
 
 @dataclass

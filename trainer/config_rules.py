@@ -106,6 +106,8 @@ def _validate_model_and_run(cfg: Config) -> None:
         raise ConfigError(f"train.stop_at_step ({cfg.train.stop_at_step}) is past train.steps ({cfg.train.steps})")
     if not cfg.run.dir:
         raise ConfigError("run.dir must be set (e.g. --set run.dir=runs/mine)")
+    if not 0.0 <= (fraction := cfg.run.gpu_mem_fraction) <= 1.0:
+        raise ConfigError(f"run.gpu_mem_fraction must be in (0, 1] or 0 (jax's default), got {fraction}")
 
 
 def _validate_faults(faults: list[Fault], processes: int) -> None:

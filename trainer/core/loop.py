@@ -17,10 +17,12 @@ import time
 import absl.logging
 import jax
 
+from trainer import xla_env
 from trainer.config import Config, to_dict
 from trainer.core import agree, checkpoint, data, endings, evaluate, optim, replicas, weights
 from trainer.core import mesh as mesh_lib
 from trainer.core.flags import Flags, Shared
+from trainer.core.model import attention_impl
 from trainer.core.save_policy import Requests, Save, SavePolicy
 from trainer.core.step import lower_train_step
 from trainer.core.step_log import StepLog
@@ -163,8 +165,24 @@ def _compile(w: Worker, start: int):
     _enter(w, "compile", start)
     t0 = time.perf_counter()
     compiled = lower_train_step(w.spec, w.mesh, w.cfg, microbatches=w.microbatches).compile()
-    w.events.write(COMPILED, step=start, seconds=time.perf_counter() - t0, microbatches=w.microbatches)
+    w.events.write(
+        COMPILED, step=start, seconds=time.perf_counter() - t0, microbatches=w.microbatches, **runtime(w.cfg)
+    )
     return compiled
+
+
+def runtime(cfg: Config) -> dict:
+    """What this attempt's step runs on and with: the attention implementation model.attention resolved to on
+    this backend (cudnn | xla | xla_remat), the device kind and platform, and the XLA flags and GPU memory
+    fraction in force (trainer.xla_env: the run's own and the user's). In the `compiled` event and the
+    checkpoint metadata; `status` shows it."""
+    device = jax.devices()[0]
+    return {
+        "attention": attention_impl(cfg.model, jax.default_backend()),
+        "platform": device.platform,
+        "device_kind": device.device_kind,
+        **xla_env.in_force(),
+    }
 
 
 def _train(
@@ -301,7 +319,7 @@ def _meta(w: Worker) -> dict:
         "devices": jax.device_count(),
         "skips": w.skips,
         "versions": versions(),
-        "xla_flags": os.environ.get(env_vars.XLA_FLAGS, ""),  # run.deterministic's flag, and any the user set
+        **runtime(w.cfg),  # attention, device, XLA flags (run.deterministic's, and any the user set)
         "init_from": w.init_from,  # where the params started (train.init_from), kept through resumes
     }
 

@@ -16,7 +16,8 @@ NODE_NAME = "TRAINER_NODE_NAME"
 PYTHONUNBUFFERED = "PYTHONUNBUFFERED"  # worker output reaches the supervisor line by line
 
 # --- set for the libraries ---------------------------------------------------------------------------------
-XLA_FLAGS = "XLA_FLAGS"  # run.deterministic adds its flag; recorded in checkpoint metadata
+XLA_FLAGS = "XLA_FLAGS"  # run.deterministic's and run.xla_latency_hiding's flags (trainer.xla_env); recorded
+XLA_PYTHON_CLIENT_MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"  # run.gpu_mem_fraction (trainer.xla_env)
 JAX_PLATFORMS = "JAX_PLATFORMS"
 TOKENIZERS_PARALLELISM = "TOKENIZERS_PARALLELISM"  # Hugging Face tokenizers: one thread per prepare worker
 

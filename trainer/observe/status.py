@@ -12,7 +12,7 @@ import sys
 
 from trainer.config import ConfigError
 from trainer.observe import goodput, health, rundir
-from trainer.observe.event_names import ALERT, CHECKPOINT_SAVED, HEALTH, RESTART, REWIND, RUNBOOK_EVENTS
+from trainer.observe.event_names import ALERT, CHECKPOINT_SAVED, COMPILED, HEALTH, RESTART, REWIND, RUNBOOK_EVENTS
 from trainer.observe.progress import fmt_duration, fmt_loss
 from trainer.observe.runview import RunView, latest_evals, ledger_now, load, open_alerts, overdue_limit, run_state
 
@@ -56,6 +56,19 @@ def _loss_lines(v: RunView, steps: dict[int, dict]) -> list[str]:
         f"[median of last {len(recent10)}]"
     )
     return lines
+
+
+def _runtime_line(v: RunView) -> list[str]:
+    """What the latest attempt's step ran on: device, attention implementation, XLA flags, memory fraction
+    (its `compiled` event; runs from before these were recorded have none)."""
+    e = next((e for e in reversed(v.events) if e["event"] == COMPILED and "attention" in e), None)
+    if e is None:
+        return []
+    memory = f", GPU memory fraction {e['gpu_mem_fraction']}" if e.get("gpu_mem_fraction") else ""
+    return [
+        f"device    {e.get('device_kind')} ({e.get('platform')})   attention {e['attention']}   "
+        f"XLA_FLAGS {e.get('xla_flags') or '(none)'}{memory}"
+    ]
 
 
 def _eval_line(v: RunView) -> list[str]:
@@ -192,6 +205,7 @@ def render(v: RunView) -> str:
         head,
         _progress_line(v, steps, live),
         *_loss_lines(v, steps),
+        *_runtime_line(v),
         *_eval_line(v),
         *_ops_lines(v, live),
         *_alert_lines(v, live),
