@@ -1281,4 +1281,30 @@ MUTATIONS = [
         ("tests/test_multihost.py::test_node_blame_names_the_node_that_died_not_its_survivors",),
         catch="assert g.blame() == [] and g.failed_node() is None and g.poll() == exit_codes.STORAGE",
     ),
+    M(
+        "head_backward_in_fp32",
+        "the sliced loss's backward multiplies the fp32 d logits (the head's two backward matmuls run in fp32)",
+        (
+            (
+                "trainer/core/loss.py",
+                "dlogits_BCV = nn.with_logical_constraint(dlogits_BCV.astype(dt), LOGITS)",
+                "dlogits_BCV = nn.with_logical_constraint(dlogits_BCV, LOGITS)",
+            ),
+        ),
+        ("tests/test_loss.py::test_vocab_matmuls_take_bf16_and_the_logits_are_never_whole",),
+        catch='assert (m.program_dtypes or m.operand_dtypes) == ("bf16", "bf16"), m',
+    ),
+    M(
+        "head_grad_from_the_last_slice",
+        "the head's gradient keeps only the last slice's share instead of summing every slice's",
+        (
+            (
+                "trainer/core/loss.py",
+                "dhead_DV = dhead_DV + jnp.einsum(",
+                "dhead_DV = 0 * dhead_DV + jnp.einsum(",
+            ),
+        ),
+        ("tests/test_loss.py::test_sliced_head_loss_matches_autodiff_of_the_whole_logits[float32-1e-05-8-0.01]",),
+        catch="assert float(jnp.max(jnp.abs(a - b))) <= grad_tol * scale",
+    ),
 ]

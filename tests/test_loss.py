@@ -50,7 +50,8 @@ def test_sliced_head_loss_matches_autodiff_of_the_whole_logits(dt, grad_tol, chu
 
 def test_auto_chunk_keeps_a_slice_of_logits_under_its_bytes():
     assert loss_lib.auto_chunk(16, 128, 384) == 128  # tiny: one slice
-    assert loss_lib.auto_chunk(32, 1024, 50304) == 128  # GPT-2 124M: 8 slices of 0.82 GB
+    assert loss_lib.auto_chunk(32, 1024, 50304) == 128  # GPT-2 124M on one device: 8 slices of 0.82 GB
+    assert loss_lib.auto_chunk(8, 2048, 50304) == 512  # gpt-1b, a device of FSDP 8: 4 slices
     for b, n, v in ((32, 1024, 50304), (64, 2048, 50304), (1, 7, 10**9)):
         c = loss_lib.auto_chunk(b, n, v)
         assert n % c == 0 and (c == 1 or b * c * v * 4 <= loss_lib.SLICE_BYTES)

@@ -15,13 +15,16 @@ from trainer.core import mesh as mesh_lib
 from trainer.core.state import StateSpec
 
 
-def make_eval_step(spec: StateSpec, batch_sharding, metrics_sharding):
-    model = spec.model
+def make_eval_step(spec: StateSpec, mesh):
+    model, batch_sharding, shards = spec.model, mesh_lib.batch_sharding(mesh), mesh_lib.batch_shards(mesh)
 
     def eval_step(params, tokens_BL1):
-        return loss_lib.next_token_loss(model, params, tokens_BL1)[0]  # the train step's head and loss
+        # the train step's head and loss, slice by slice
+        return loss_lib.next_token_loss(model, params, tokens_BL1, batch_shards=shards)[0]
 
-    return jax.jit(eval_step, in_shardings=(spec.shardings["params"], batch_sharding), out_shardings=metrics_sharding)
+    return jax.jit(
+        eval_step, in_shardings=(spec.shardings["params"], batch_sharding), out_shardings=mesh_lib.replicated(mesh)
+    )
 
 
 class Evaluator:
@@ -30,7 +33,7 @@ class Evaluator:
     def __init__(self, spec: StateSpec, mesh, windows_NBL1: np.ndarray):
         self._bsh = mesh_lib.batch_sharding(mesh)
         self._windows = windows_NBL1
-        step = make_eval_step(spec, self._bsh, mesh_lib.replicated(mesh))
+        step = make_eval_step(spec, mesh)
         global_rows = windows_NBL1.shape[1] * jax.process_count()
         shape = jax.ShapeDtypeStruct((global_rows, windows_NBL1.shape[2]), np.int32, sharding=self._bsh)
         with mesh_lib.active(mesh, spec.model.cfg):  # the model's activation shardings hold, as in the train step

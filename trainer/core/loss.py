@@ -26,13 +26,15 @@ import jax
 import jax.numpy as jnp
 
 LOGITS = ("batch", "seq", "vocab")
-SLICE_BYTES = 1 << 30  # auto slices: at most 1 GiB of fp32 logits across the global batch per slice
+SLICE_BYTES = 1 << 30  # auto slices: at most 1 GiB of fp32 logits per device per slice
 
 
 def auto_chunk(batch: int, seq_len: int, vocab: int) -> int:
     """Positions per slice: the largest power-of-two divisor of seq_len (or seq_len itself) whose fp32
-    logits for the global batch fit SLICE_BYTES; at least one position. GPT-2 124M (32 x 1024, vocab 50304):
-    128 positions, 8 slices of 0.8 GB; the tiny CPU configs: the whole sequence, one slice."""
+    logits for `batch` sequences (a device's share) fit SLICE_BYTES; at least one position. GPT-2 124M on one
+    GPU (32 x 1024, vocab 50304): 128 positions, 8 slices of 0.8 GB; gpt-1b over FSDP 8 (8 x 2048 a device):
+    512, 4 slices; the tiny CPU configs: the whole sequence, one slice. Fewer, larger slices keep the head's
+    matmuls large enough for the tensor cores."""
     if batch * seq_len * vocab * 4 <= SLICE_BYTES:
         return seq_len
     chunk = 1
@@ -110,13 +112,16 @@ def _bwd(chunk, res, cts):
 head_loss_terms.defvjp(_fwd, _bwd)
 
 
-def next_token_loss(model, params, tokens_BL1, *, z_loss: float = 0.0, deterministic: bool = True, rngs=None):
+def next_token_loss(
+    model, params, tokens_BL1, *, z_loss: float = 0.0, deterministic: bool = True, rngs=None, batch_shards: int = 1
+):
     """(cross-entropy, cross-entropy + z_loss x mean(lse^2)): the mean next-token loss of `model` (a GPT) on
-    tokens [B, L + 1], the logits made and consumed `model.loss_chunk` positions at a time (0: auto_chunk)."""
+    tokens [B, L + 1], the logits made and consumed `model.loss_chunk` positions at a time (0: auto_chunk for
+    a device's B / batch_shards sequences)."""
     inputs_BL, labels_BL = tokens_BL1[:, :-1], tokens_BL1[:, 1:]
     x_BLD, head_DV = model.apply({"params": params}, inputs_BL, deterministic=deterministic, rngs=rngs, hidden=True)
     B, L = inputs_BL.shape
-    chunk = model.cfg.loss_chunk or auto_chunk(B, L, head_DV.shape[1])
+    chunk = model.cfg.loss_chunk or auto_chunk(max(1, B // batch_shards), L, head_DV.shape[1])
     lse_BL, label_BL = head_loss_terms(x_BLD, head_DV, labels_BL, chunk)
     ce = jnp.mean(lse_BL - label_BL)
     return ce, (ce + z_loss * jnp.mean(jnp.square(lse_BL)) if z_loss else ce)

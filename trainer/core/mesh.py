@@ -77,6 +77,11 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
 
 
+def batch_shards(mesh: Mesh) -> int:
+    """How many shards batch_sharding cuts the global batch into (data x fsdp)."""
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 

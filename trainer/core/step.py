@@ -21,11 +21,11 @@ def _grads(spec: StateSpec, mesh: Mesh, microbatches: int, z_loss: float = 0.0):
     the cross-entropy alone; with train.z_loss the gradients are those of cross-entropy + z_loss x
     mean(logsumexp(logits)^2), which keeps the softmax normaliser near 1 (PaLM, OLMo). The LM head and the
     loss run slice by slice (trainer.core.loss): the whole logits never exist."""
-    model, k = spec.model, microbatches
+    model, k, shards = spec.model, microbatches, mesh_lib.batch_shards(mesh)
 
     def loss_fn(params, tokens_BL1, key):
         ce, total = loss_lib.next_token_loss(
-            model, params, tokens_BL1, z_loss=z_loss, deterministic=False, rngs={"dropout": key}
+            model, params, tokens_BL1, z_loss=z_loss, deterministic=False, rngs={"dropout": key}, batch_shards=shards
         )
         return (total, ce) if z_loss else ce
 
