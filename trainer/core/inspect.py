@@ -25,7 +25,7 @@ GPUS = {
     "A100": (312e12, 80 * GIB, 300e9, 25e9),
 }
 HOST_GPUS = 8  # devices per host: collectives whose groups span hosts are priced at the network's bandwidth
-MEM_FRACTION = 0.90  # of device memory XLA may use (launch/slurm.sbatch's XLA_PYTHON_CLIENT_MEM_FRACTION)
+MEM_FRACTION = 0.90  # of device memory XLA may use (the multi-GPU configs' run.gpu_mem_fraction: trainer.xla_env)
 
 HELP = """MFU ceilings (peak = the GPU's dense bf16 figure). They count "useful" FLOPs: 6 per token for each
 param that enters a matmul (the kernels and the LM head; not norms, biases or the position table) plus
