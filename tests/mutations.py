@@ -1307,4 +1307,11 @@ MUTATIONS = [
         ("tests/test_loss.py::test_sliced_head_loss_matches_autodiff_of_the_whole_logits[float32-1e-05-8-0.01]",),
         catch="assert float(jnp.max(jnp.abs(a - b))) <= grad_tol * scale",
     ),
+    M(
+        "drill_passes_on_one_fault",
+        "the drill's thresholds default to one fault of one kind: the 4-minute tiny drill's lone preemption passes",
+        (("trainer/drill/plan.py", "MIN_FAULTS, MIN_KINDS = 8, 4", "MIN_FAULTS, MIN_KINDS = 1, 1"),),
+        ("tests/test_drill.py::test_a_drill_too_short_to_show_anything_is_refused_grown_or_failed",),
+        catch='"the plan held 1 fault(s) of 1 kind(s) (preempt): a drill of fewer than 8 faults of 4"',
+    ),
 ]

@@ -121,6 +121,60 @@ def test_each_fault_is_matched_to_its_detection_and_the_first_step_past_where_th
     assert lost["detected_by"] is None and not lost["healed"]
 
 
+def test_a_drill_too_short_to_show_anything_is_refused_grown_or_failed():
+    """The 4-minute tiny drill at one fault every 12 s (0.43 s steps, 10 s start-ups): its hangs wait out 120 and
+    600 s timeouts, so it once planned 1 fault (a preemption) and passed. Now: refused before anything runs (the
+    timeouts, the minutes it needs, what to lower); without the hang kinds, grown at the same MTBF to hold 8
+    faults of 4 kinds; a plan or a run short of them, or a planned fault that never fired, is a failed check."""
+    from trainer.drill import checks
+
+    # the checks: the plan of the 4-minute drill (one preemption, sent)
+    P = plan.Planned
+    short = checks.coverage([P("preempt", 27, None)], [], [{"kind": "preempt", "step": 27, "time": 1.0}])
+    assert len(short) == 1 and short[0].startswith(
+        "the plan held 1 fault(s) of 1 kind(s) (preempt): a drill of fewer than 8 faults of 4"
+    ), short
+    eight = [P(k, 10 * i + 5, {"kind": k, "step": 10 * i + 5}) for i, k in enumerate(["crash", "nan"] * 3)]
+    eight += [P("preempt", 70, None), P("ecc", 80, {"kind": "ecc", "step": 80})]
+    fired = [{"index": i, "step": p.step} for i, p in enumerate(q for q in eight if q.fault)]
+    sent = [{"kind": "preempt", "step": 70, "time": 1.0}]
+    assert checks.coverage(eight, fired, sent) == []
+    # a fault that never fired (the ECC one, the preemption) fails the drill, each named
+    [never] = checks.coverage(eight, fired[:-1], [])
+    assert never.startswith("2 planned fault(s) never fired: preempt at step 70, ecc at step 80"), never
+    [nine] = checks.coverage(eight, fired, sent, min_faults=9)
+    assert nine.startswith("the plan held 8 fault(s) of 4 kind(s) (crash, ecc, nan, preempt): a drill of fewer than 9")
+    assert checks.coverage(eight[:4], fired[:4], [], min_faults=2, min_kinds=2) == []
+
+    # the sizing: refused before anything runs, or grown at the same MTBF
+    cfg = load_config(TINY)
+    kinds, _ = plan.available(cfg)
+    with pytest.raises(plan.Refused) as e:  # before calibration: the MTBF and the hang timeouts alone
+        plan.check(cfg, kinds, minutes=4, mtbf_s=12, named=False)
+    line = str(e.value)
+    assert "8 faults of 4+ kinds" in line and "need at least 24.0 min here, not 4" in line, line
+    assert "supervisor.startup_timeout_s 600 s" in line and "supervisor.step_timeout_s 120 s" in line, line
+    assert "leave the hang kinds out (--faults crash," in line and line.endswith("drill --minutes 24 or more"), line
+    cal = dict(step_s=0.43, startup_s=10.0)
+    with pytest.raises(plan.Refused, match=r"need ~26\.9 min here, not 4 .* \(10 s start-up \+ 11 s recomputed\)"):
+        plan.check(cfg, kinds, minutes=4, mtbf_s=12, named=False, **cal)
+    with pytest.raises(plan.Refused, match=r"--faults names 2 kind\(s\) \(crash, preempt\).*--min-kinds"):
+        plan.check(cfg, ["crash", "preempt"], minutes=60, mtbf_s=12, named=True)
+    rest = [k for k in kinds if k not in plan.HANG_TIMEOUTS]
+    plan.check(cfg, rest, minutes=4, mtbf_s=12, named=True, **cal)  # ~4.5 min: within 1.5x of 4
+    sized = plan.size(cfg, rest, minutes=4, mtbf_s=12, seed=5, **cal)
+    assert sized.grown_from and sized.steps > sized.grown_from, sized  # 195 steps drew too few
+    assert len(sized.plan) >= 8 and len({p.kind for p in sized.plan}) >= 4, sized.plan
+    assert sized.plan == plan.schedule(cfg, steps=sized.steps, step_s=0.43, mtbf_s=12, kinds=rest, seed=5)
+    assert sized.priced_s <= plan.GROW_LIMIT * 4 * 60
+    assert sized.priced_s == plan.priced_s(cfg, sized.plan, sized.steps, **cal)
+    with pytest.raises(plan.Refused, match=r"this seed's draw, grown until its price passed 1\.5x the 4 min asked"):
+        plan.size(cfg, kinds, minutes=4, mtbf_s=12, seed=5, **cal)
+    # 20 minutes hold 8 faults as drawn (not grown), and 4 minutes 2 faults of 2 kinds (the micro drill's thresholds)
+    assert not plan.size(cfg, rest, minutes=20, mtbf_s=12, seed=5, **cal).grown_from
+    assert not plan.size(cfg, rest, minutes=4, mtbf_s=12, seed=5, min_faults=2, min_kinds=2, **cal).grown_from
+
+
 def _drill(
     tmp_path: Path, *args: str, minutes: float = 0.6, mtbf: float = 4.0
 ) -> tuple[subprocess.CompletedProcess, Path]:
@@ -160,7 +214,9 @@ DRILL_SETS = (
 @pytest.mark.slow
 def test_a_drill_of_the_micro_config_heals_every_fault_and_ends_as_the_undisturbed_run(tmp_path):
     kinds = "crash,crash_after_save,hang,hang_restore,crash_mid_save,corrupt,preempt"
-    proc, work = _drill(tmp_path, "--faults", kinds, "--seed", "3", minutes=0.6, mtbf=1.0)
+    # 2 faults of 2 kinds, not 8 of 4: the suite's budget (the thresholds: the test above)
+    few = ["--min-faults", "2", "--min-kinds", "2"]
+    proc, work = _drill(tmp_path, "--faults", kinds, "--seed", "3", *few, minutes=0.6, mtbf=1.0)
     res = json.loads((work / "drill.json").read_text())
     # Every check holds, except that goodput against the model's expectation may miss here by chance: a
     # handful of failures, some right after a fault that destroyed the newest checkpoint (the 20-minute drill
@@ -319,6 +375,7 @@ def test_a_drill_inside_a_slurm_allocation_loses_a_node_and_passes(tmp_path):
         overrides = [*MICRO, *DRILL_SETS, f"run.dir={tmp_path / 'mine'}", *group_overrides(corpus, *TWO), *local]
         args = ["drill", "--config", TINY, *sets(*overrides, "launch.processes_per_node=1"), "--dir", str(work)]
         args += ["--faults", "node,preempt", "--mtbf", "1.5", "--minutes", "0.3", "--seed", "33"]
+        args += ["--min-faults", "1", "--min-kinds", "1"]  # a node loss, as drawn (the thresholds: the tests above)
         job, _ = sbatch_trainer(env, nodes=3, per_node=1, out=out, args=args)
         state = wait_job(job, env, timeout=600)
     log = out.read_text()

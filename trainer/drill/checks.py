@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from trainer.config import Config
-from trainer.drill.plan import AFTER_RESTART, KINDS, RESTARTS, Planned
+from trainer.drill.plan import AFTER_RESTART, KINDS, MIN_FAULTS, MIN_KINDS, RESTARTS, Planned
 from trainer.observe import audit, checkpoint_files, rundir
 from trainer.observe.event_names import (
     ALERT,
@@ -108,6 +108,45 @@ def faults(plan: list[Planned], fired: list[dict], preempts: list[dict], evs: li
             heal = next((e for e in evs if e["time"] >= det["time"] and _healer(r["kind"])(e)), None)
             r.update(healed=heal is not None, productive_s=heal["time"] - t if heal else None)
     return rows
+
+
+def coverage(
+    plan: list[Planned],
+    fired: list[dict],
+    preempts: list[dict],
+    *,
+    min_faults: int = MIN_FAULTS,
+    min_kinds: int = MIN_KINDS,
+) -> list[str]:
+    """What the drill showed, against what it takes to show anything: a plan of fewer than `min_faults` faults
+    or `min_kinds` kinds, a planned fault that never fired (`fired`: the workers' fault log, by index into
+    the plan's faults; `preempts`: the preemptions the drill sent), or fewer than those fired: one line each."""
+    out = []
+    kinds = sorted({p.kind for p in plan})
+    if len(plan) < min_faults or len(kinds) < min_kinds:
+        out.append(
+            f"the plan held {len(plan)} fault(s) of {len(kinds)} kind(s) ({', '.join(kinds) or 'none'}): a drill of "
+            f"fewer than {min_faults} faults of {min_kinds} kinds shows nothing about a configuration; more "
+            "--minutes, lower hang timeouts (supervisor.*_timeout_s) or fewer hang kinds (--faults)"
+        )
+    with_fault = [p for p in plan if p.fault is not None]
+    done = {f["index"] for f in fired}
+    missed = [p for i, p in enumerate(with_fault) if i not in done]
+    missed += [p for p in plan if p.kind == "preempt"][len(preempts) :]
+    if missed:
+        out.append(
+            f"{len(missed)} planned fault(s) never fired: "
+            + ", ".join(f"{p.kind} at step {p.step}" for p in sorted(missed, key=lambda p: p.step))
+            + "; a drill shows nothing about a fault that never fired (see run.log in the drill's dir)"
+        )
+    shown = [with_fault[f["index"]].kind for f in fired if f["index"] < len(with_fault)]
+    shown += ["preempt"] * len(preempts)
+    if not out and (len(shown) < min_faults or len(set(shown)) < min_kinds):
+        out.append(
+            f"{len(shown)} fault(s) of {len(set(shown))} kind(s) fired: fewer than the {min_faults} of {min_kinds} "
+            "kinds a drill needs to show anything"
+        )
+    return out
 
 
 # Faults that strike at a random point of a checkpoint interval: the survival model's failures, each losing

@@ -1,8 +1,11 @@
 """`python -m trainer drill --config FILE [--set KEY=VALUE ...] [--minutes M] [--mtbf SECONDS] [--faults KINDS]
-[--seed K]`: will this configuration survive weeks of things breaking, and what will the breakage cost?
+[--seed K] [--min-faults 8] [--min-kinds 4]`: will this configuration survive weeks of things breaking, and what
+will the breakage cost?
 
 It calibrates (a short run: step time, start-up), plans a seeded Poisson schedule of faults at the given mean
-time between failures for about M minutes of drilling, runs the configuration under it (supervised, as it
+time between failures for about M minutes of drilling (grown, at the same mean time, to hold at least
+--min-faults faults of --min-kinds kinds; refused, one line and exit 2, when the minutes cannot hold them at
+the hang timeouts and restarts it prices), runs the configuration under it (supervised, as it
 would train; the drill sends the preemptions and requeues the job), then runs the same steps undisturbed
 and checks: every fault detected and healed, data consumed exactly once, the final params bit-for-bit the
 undisturbed run's, the ledger's goodput against the survival model's prediction, and the setup. Table on
@@ -37,6 +40,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--faults", default="", metavar="KINDS", help=f"comma-separated, of: {', '.join(plan.KINDS)}")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--min-faults",
+        type=int,
+        default=plan.MIN_FAULTS,
+        metavar="N",
+        help="fewer faults planned or fired fail the drill: they show nothing about a configuration",
+    )
+    p.add_argument("--min-kinds", type=int, default=plan.MIN_KINDS, metavar="N", help="the same, for kinds")
     p.add_argument("--dir", default="", help="the drill's directory (default: RUN_DIR-drill-DATE-TIME)")
     scale = p.add_argument_group("projection to the real run (as `survival` takes it)")
     scale.add_argument("--gpus", type=int, default=1024)
@@ -72,27 +83,19 @@ def _kinds(cfg, asked: str, spares: int | None) -> list[str]:
     return kinds
 
 
-def _steps(cfg, cal: dict, minutes: float, mtbf: float, kinds: list[str]) -> int:
-    """Steps that make about `minutes` of drilling: each fault costs a start-up, half a checkpoint interval
-    recomputed, and a hang its phase's timeout besides."""
-    every, sc = cfg.checkpoint.every_steps or cfg.train.steps, cfg.supervisor
-    timeout = {"hang": sc.step_timeout_s, "hang_restore": sc.restore_timeout_s, "hang_compile": sc.startup_timeout_s}
-    timeout.update(hang_startup=sc.startup_timeout_s, hang_checkpoint=sc.checkpoint_timeout_s)
-    timeout.update(hang_eval=sc.eval_timeout_s)
-    hangs = sum(timeout.get(k, 0.0) for k in kinds) / len(kinds)  # a hang is found when its phase times out
-    per_fault = cal["startup_s"] + every * cal["step_s"] / 2 + hangs
-    work_s = minutes * 60 - cal["startup_s"]
-    return max(int(work_s / (cal["step_s"] * (1 + per_fault / mtbf))), 20)
-
-
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         cfg = load_config(args.config, args.set)
         spares = _spares(cfg)
         kinds = _kinds(cfg, args.faults, spares)
+        # before anything runs: the mean time between failures and the hang timeouts alone may not fit
+        plan.check(cfg, kinds, **_sizing(args), named=bool(args.faults))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except plan.Refused as e:
+        print(f"drill: refused: {e}", file=sys.stderr)
         return 2
     work = Path(args.dir or f"{cfg.run.dir}-drill-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     if work.exists() and any(work.iterdir()):
@@ -111,21 +114,34 @@ def main(argv: list[str]) -> int:
     except run.DrillError as e:
         print(f"drill: FAILED: {e}", file=sys.stderr)
         return 1
+    except plan.Refused as e:  # after the calibration, before the drilled run: nothing else ran
+        print(f"drill: refused: {e}", file=sys.stderr)
+        return 2
+
+
+def _sizing(args) -> dict:
+    return dict(minutes=args.minutes, mtbf_s=args.mtbf, min_faults=args.min_faults, min_kinds=args.min_kinds)
 
 
 def _drill(cfg, kinds: list[str], work: Path, args, spares: int) -> int:
     cal = run.calibrate(cfg, work)
-    steps = _steps(cfg, cal, args.minutes, args.mtbf, kinds)
+    measured = dict(step_s=cal["step_s"], startup_s=cal["startup_s"])
+    sized = plan.size(cfg, kinds, **_sizing(args), **measured, seed=args.seed, spares=spares)
+    steps, schedule = sized.steps, sized.plan
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=steps, stop_at_step=0))
-    schedule = plan.schedule(
-        cfg, steps=steps, step_s=cal["step_s"], mtbf_s=args.mtbf, kinds=kinds, seed=args.seed, spares=spares
-    )
     print(
         f"drill: calibrated {cal['step_s'] * 1e3:.0f} ms a step, start-up {cal['startup_s']:.1f} s; {steps} steps, "
-        f"{len(schedule)} faults planned ({', '.join(sorted({p.kind for p in schedule}))}), seed {args.seed}",
+        f"{len(schedule)} faults planned ({', '.join(sorted({p.kind for p in schedule}))}), seed {args.seed}; "
+        f"~{sized.priced_s / 60:.1f} min priced",
         flush=True,
     )
-    limit = max(4 * args.minutes * 60, 900)
+    if sized.grown_from:
+        print(
+            f"drill: grown from the {sized.grown_from} steps --minutes {args.minutes:g} gave to {steps}, at the same "
+            f"mean time between failures ({args.mtbf:g} s), to hold {args.min_faults} faults of {args.min_kinds} kinds",
+            flush=True,
+        )
+    limit = max(4 * sized.priced_s, 4 * args.minutes * 60, 900)
     drilled = run.drilled(cfg, schedule, work, limit_s=limit)
     then = "now the undisturbed run of the same steps, after it" if drilled["exit_code"] == 0 else "it did not finish"
     print(f"drill: drilled run ended (exit {drilled['exit_code']}) after {drilled['wall_s']:.0f} s; {then}", flush=True)
@@ -142,7 +158,11 @@ def _drill(cfg, kinds: list[str], work: Path, args, spares: int) -> int:
     summary = rundir.read_json(run_dir / rundir.SUMMARY) or {}
     gp = checks.goodput(summary, rows, cfg, cal["step_s"]) if summary.get("goodput") else None
     dp = checks.data_and_params(run_dir, ref_dir)
-    failed = _failed(cfg, drilled, rows, dp, gp, ref) + checks.setup(cfg, evs, rows, run_dir)
+    failed = _failed(cfg, drilled, rows, dp, gp, ref)
+    failed += checks.coverage(
+        schedule, fired, drilled["preempts"], min_faults=args.min_faults, min_kinds=args.min_kinds
+    )
+    failed += checks.setup(cfg, evs, rows, run_dir)
     costs = checks.costs(evs, summary)
     interval = checks.interval_steps(cfg) * cal["step_s"] / 60 or None
     proj = checks.projection(
@@ -157,6 +177,10 @@ def _drill(cfg, kinds: list[str], work: Path, args, spares: int) -> int:
         "steps": steps,
         "seed": args.seed,
         "mtbf_s": args.mtbf,
+        "min_faults": args.min_faults,
+        "min_kinds": args.min_kinds,
+        "grown_from_steps": sized.grown_from,
+        "priced_s": sized.priced_s,
         "launch": cfg.launch.mode,
         "spare_nodes": spares,
         "kinds": kinds,

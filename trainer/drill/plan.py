@@ -7,6 +7,7 @@ restart after a failure, a crash while a save is in flight, a corrupted newest c
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import asdict, dataclass
 
@@ -40,6 +41,20 @@ AFTER_RESTART = {"hang_startup", "hang_restore", "hang_compile"}  # fire in the 
 IN_PHASE = {"hang_checkpoint", "hang_eval"}  # fire the first time their phase is entered at or after their step
 CORRUPTIONS = ("flip", "truncate", "torn")
 SLOW_STEPS, SLOW_MULTIPLE = 20, 3.0
+# A drill of fewer faults, or of fewer kinds, shows nothing about a configuration (--min-faults, --min-kinds)
+MIN_FAULTS, MIN_KINDS = 8, 4
+# A plan drawn for --minutes that falls short of them is grown (more steps, the same mean time between
+# failures) up to this many times the minutes, priced; past it the drill refuses before running the drill.
+GROW_LIMIT = 1.5
+# the supervisor's timeout each hang waits out before it is found
+HANG_TIMEOUTS = {
+    "hang": "step_timeout_s",
+    "hang_startup": "startup_timeout_s",
+    "hang_compile": "startup_timeout_s",
+    "hang_restore": "restore_timeout_s",
+    "hang_checkpoint": "checkpoint_timeout_s",
+    "hang_eval": "eval_timeout_s",
+}
 
 
 @dataclass
@@ -150,6 +165,175 @@ def schedule(
         used.add(step)
         plan.append(Planned(kind, step, fault))
         plan.sort(key=lambda p: p.step)
+
+
+class Refused(ValueError):
+    """The drill cannot show anything in the minutes it was given: one line saying why and what to change."""
+
+
+@dataclass
+class Sized:
+    steps: int
+    plan: list[Planned]
+    priced_s: float  # the plan's wall, priced: start-up, its steps, each fault's cost
+    grown_from: int  # the steps --minutes gave, when the plan was grown to hold the faults (else 0)
+
+
+def fault_s(cfg: Config, kind: str, *, step_s: float, startup_s: float) -> float:
+    """What a fault costs the drill: a start-up, half a checkpoint interval recomputed, and a hang its
+    phase's timeout (it is found when the timeout runs out)."""
+    every = cfg.checkpoint.every_steps or cfg.train.steps
+    hang = getattr(cfg.supervisor, HANG_TIMEOUTS[kind]) if kind in HANG_TIMEOUTS else 0.0
+    return startup_s + every * step_s / 2 + hang
+
+
+def priced_s(cfg: Config, plan: list[Planned], steps: int, *, step_s: float, startup_s: float) -> float:
+    return startup_s + steps * step_s + sum(fault_s(cfg, p.kind, step_s=step_s, startup_s=startup_s) for p in plan)
+
+
+def need_s(cfg: Config, kinds: list[str], faults: int, *, mtbf_s: float, step_s: float, startup_s: float) -> float:
+    """The wall `faults` faults drawn from `kinds` take on average: a start-up, and each fault the mean
+    time between failures of training and its cost."""
+    mean = sum(fault_s(cfg, k, step_s=step_s, startup_s=startup_s) for k in kinds) / len(kinds)
+    return startup_s + faults * (mtbf_s + mean)
+
+
+def check(
+    cfg: Config,
+    kinds: list[str],
+    *,
+    minutes: float,
+    mtbf_s: float,
+    named: bool,
+    min_faults: int = MIN_FAULTS,
+    min_kinds: int = MIN_KINDS,
+    step_s: float = 0.0,
+    startup_s: float = 0.0,
+) -> None:
+    """Refused when the kinds are too few, or when `min_faults` faults cannot fit GROW_LIMIT x the minutes
+    on average (before calibration, step_s and startup_s 0: counting the mean time between failures and the
+    hang timeouts alone)."""
+    if len(kinds) < min_kinds:
+        what = f"--faults names {len(kinds)} kind(s)" if named else f"only {len(kinds)} kind(s) can be drilled here"
+        raise Refused(
+            f"{what} ({', '.join(kinds)}): a drill of fewer than {min_kinds} kinds shows little about a "
+            f"configuration; {'name more' if named else 'see why the others cannot'}, or lower --min-kinds"
+        )
+    need = need_s(cfg, kinds, min_faults, mtbf_s=mtbf_s, step_s=step_s, startup_s=startup_s)
+    if need > GROW_LIMIT * minutes * 60:
+        raise Refused(
+            refusal(
+                cfg,
+                kinds,
+                minutes=minutes,
+                mtbf_s=mtbf_s,
+                step_s=step_s,
+                startup_s=startup_s,
+                min_faults=min_faults,
+                min_kinds=min_kinds,
+            )
+        )
+
+
+def refusal(
+    cfg: Config,
+    kinds: list[str],
+    *,
+    minutes: float,
+    mtbf_s: float,
+    step_s: float,
+    startup_s: float,
+    min_faults: int,
+    min_kinds: int,
+    drawn: tuple[int, int, float] | None = None,
+) -> str:
+    """The one line that says why `minutes` cannot hold the faults: the minutes they need, what each fault
+    was priced at (the hang timeouts), and what to lower. `drawn`: the grown draw that still fell short
+    (faults, kinds, priced seconds). Uncalibrated (step_s 0), a lower bound."""
+    sc, n, calibrated = cfg.supervisor, min_faults, step_s > 0
+    about = "~" if calibrated else "at least "
+    need = need_s(cfg, kinds, n, mtbf_s=mtbf_s, step_s=step_s, startup_s=startup_s)
+    line = (
+        f"{n} faults of {min_kinds}+ kinds at one every {mtbf_s:g} s of training need {about}{need / 60:.1f} min here"
+    )
+    if drawn is not None:
+        line += (
+            f"; this seed's draw, grown until its price passed {GROW_LIMIT:g}x the {minutes:g} min asked "
+            f"({drawn[2] / 60:.1f} min), held {drawn[0]} fault(s) of {drawn[1]} kind(s)"
+        )
+    else:
+        line += f", not {minutes:g} (a drill grows to {GROW_LIMIT:g}x its minutes at most)"
+    restart = fault_s(cfg, "crash", step_s=step_s, startup_s=startup_s)
+    if calibrated:
+        line += (
+            f": each fault priced at a restart ({startup_s:.0f} s start-up + {restart - startup_s:.0f} s recomputed)"
+        )
+    hangs = [k for k in kinds if k in HANG_TIMEOUTS]
+    fixes = []
+    if hangs:
+        settings = dict.fromkeys(HANG_TIMEOUTS[k] for k in hangs)
+        mean_hang = sum(getattr(sc, HANG_TIMEOUTS[k]) for k in hangs) / len(kinds)
+        priced = ", ".join(f"supervisor.{s} {getattr(sc, s):g} s" for s in settings)
+        line += (
+            f"{',' if calibrated else ':'} a hang its phase's timeout, waited out ({priced}: "
+            f"{mean_hang:.0f} s a fault on average over the {len(kinds)} kinds)"
+        )
+        fit = (minutes * 60 - startup_s) / n - mtbf_s - restart
+        fixes.append(
+            f"lower those timeouts (to under {fit:.0f} s a fault on average{'' if calibrated else ' less a restart'})"
+            if fit > 0
+            else "lower those timeouts"
+        )
+        rest = [k for k in kinds if k not in HANG_TIMEOUTS]
+        if len(rest) >= min_kinds:
+            without = need_s(cfg, rest, n, mtbf_s=mtbf_s, step_s=step_s, startup_s=startup_s)
+            fixes.append(f"leave the hang kinds out (--faults {','.join(rest)}: {about}{without / 60:.1f} min)")
+    fixes.append(f"drill --minutes {math.ceil(need / 60)}{' or more' if not calibrated else ''}")
+    return f"{line}; {', '.join(fixes[:-1])}{', or ' if fixes[:-1] else ''}{fixes[-1]}"
+
+
+def size(
+    cfg: Config,
+    kinds: list[str],
+    *,
+    minutes: float,
+    mtbf_s: float,
+    step_s: float,
+    startup_s: float,
+    seed: int,
+    spares: int = 0,
+    min_faults: int = MIN_FAULTS,
+    min_kinds: int = MIN_KINDS,
+) -> Sized:
+    """The drill's steps and schedule: the steps that make about `minutes` of drilling at `mtbf_s` (each fault
+    priced as fault_s), drawn; a draw short of `min_faults` faults of `min_kinds` kinds is grown, step by step
+    at the same mean time between failures, until it holds them, as long as its price stays within
+    GROW_LIMIT x the minutes. Refused (one line: refusal()) when it cannot."""
+    mean = sum(fault_s(cfg, k, step_s=step_s, startup_s=startup_s) for k in kinds) / len(kinds)
+    steps = first = max(int((minutes * 60 - startup_s) / (step_s * (1 + mean / mtbf_s))), 20)
+    limit = GROW_LIMIT * minutes * 60
+    while True:
+        drawn = schedule(cfg, steps=steps, step_s=step_s, mtbf_s=mtbf_s, kinds=kinds, seed=seed, spares=spares)
+        price = priced_s(cfg, drawn, steps, step_s=step_s, startup_s=startup_s)
+        holds = len(drawn) >= min_faults and len({p.kind for p in drawn}) >= min_kinds
+        if holds and (steps == first or price <= limit):
+            return Sized(steps, drawn, price, 0 if steps == first else first)
+        if price > limit:
+            kinds_drawn = len({p.kind for p in drawn})
+            raise Refused(
+                refusal(
+                    cfg,
+                    kinds,
+                    minutes=minutes,
+                    mtbf_s=mtbf_s,
+                    step_s=step_s,
+                    startup_s=startup_s,
+                    min_faults=min_faults,
+                    min_kinds=min_kinds,
+                    drawn=(len(drawn), kinds_drawn, price),
+                )
+            )
+        steps += max(steps // 10, int(mtbf_s / step_s), 1)
 
 
 def as_dicts(plan: list[Planned]) -> list[dict]:
