@@ -524,7 +524,7 @@ MUTATIONS = [
                 "",
             ),
         ),
-        ("tests/test_integrity.py::test_a_full_disk_stops_the_run_clearly_and_the_same_command_resumes",),
+        ("tests/test_integrity.py::test_a_full_disk_is_waited_out_and_the_run_resumes_on_its_own",),
         catch="no checkpoint_failed event",
     ),
     M(
@@ -1313,5 +1313,144 @@ MUTATIONS = [
         (("trainer/drill/plan.py", "MIN_FAULTS, MIN_KINDS = 8, 4", "MIN_FAULTS, MIN_KINDS = 1, 1"),),
         ("tests/test_drill.py::test_a_drill_too_short_to_show_anything_is_refused_grown_or_failed",),
         catch='"the plan held 1 fault(s) of 1 kind(s) (preempt): a drill of fewer than 8 faults of 4"',
+    ),
+    M(
+        "skip_list_off_by_one",
+        "a step whose batch index equals a skipped batch reads it anyway (the cursor passes skips only below it)",
+        (("trainer/core/data.py", "        if s <= b:\n            b += 1", "        if s < b:\n            b += 1"),),
+        ("tests/test_data.py::test_skips_advance_the_cursor_past_the_listed_batches",),
+        catch="assert [batch_index(k, [2, 3]) for k in range(5)] == [0, 1, 4, 5, 6]",
+    ),
+    M(
+        "eval_rows_strided_over_processes",
+        "each process takes every P-th eval row instead of its contiguous block (unlike the training rows)",
+        (
+            (
+                "trainer/core/data.py",
+                "rows = picks.reshape(batches, global_batch)[:, process * per : (process + 1) * per]",
+                "rows = picks.reshape(batches, global_batch)[:, process::processes]",
+            ),
+        ),
+        ("tests/test_data.py::test_eval_windows_are_fixed_spread_over_the_split_and_sharded_like_training",),
+        catch="assert (np.concatenate(halves, axis=1) == whole).all()",
+    ),
+    M(
+        "buddy_on_the_same_node",
+        "uneven nodes pair a process with one on its own node: its fast-tier copy dies with it",
+        (
+            (
+                "trainer/core/buddy.py",
+                "    if any(nodes[i] == nodes[to[i]] for i in range(len(nodes))):\n        return None\n",
+                "",
+            ),
+        ),
+        ("tests/test_buddy.py::test_every_copy_goes_to_another_node_at_the_same_local_rank",),
+        catch='assert buddy.pair(["a", "a", "a", "b"]) is None',
+    ),
+    M(
+        "replica_fingerprint_casts_bf16_values",
+        "a bfloat16 param is fingerprinted by its values cast to integers, not its bits: a low flipped bit is unseen",
+        (
+            (
+                "trainer/core/replicas.py",
+                "else jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)",
+                "else x.astype(jnp.uint32)",
+            ),
+        ),
+        ("tests/test_replicas.py::test_the_replica_check_names_the_one_copy_that_differs_float32_and_bfloat16",),
+        catch="a bfloat16 copy with a flipped bit passed the check",
+    ),
+    M(
+        "replica_mismatch_blames_every_replica",
+        "a mismatch names every data replica of the shard, not the odd one out (the runbook blames every node)",
+        (
+            (
+                "trainer/core/replicas.py",
+                '"replicas": sorted({self.coords[d]["data"] for d in odd}),',
+                '"replicas": sorted({self.coords[d]["data"] for d in devs}),',
+            ),
+        ),
+        ("tests/test_replicas.py::test_the_replica_check_names_the_one_copy_that_differs_float32_and_bfloat16",),
+        catch='assert w["replicas"] == [data_of[out["w_flipped"]["device"]]], w',
+    ),
+    M(
+        "init_ignores_the_seed",
+        "the state is initialised from a fixed key: run.seed changes nothing",
+        (("trainer/core/state.py", "    key = jax.random.key(seed)\n", "    key = jax.random.key(0)\n"),),
+        ("tests/test_state.py::test_a_fresh_state_is_a_function_of_the_seed_and_matches_its_restore_target",),
+        catch='state.params_sha256(a["params"]) != state.params_sha256(other["params"])',
+    ),
+    M(
+        "weight_decay_on_positions",
+        "weight decay reaches the positional table too (every param with an embed axis is decayed)",
+        (("trainer/core/optim.py", 'NO_DECAY_AXES = frozenset({"seq"})', "NO_DECAY_AXES = frozenset()"),),
+        ("tests/test_model.py::test_weight_decay_reaches_the_same_matrices_scanned_or_unrolled[True-True]",),
+        catch='assert decayed == (DECAYED if tie else DECAYED | {"lm_head"}), sorted(decayed)',
+    ),
+    M(
+        "sigterm_saves_a_held_state",
+        "a SIGTERM while a spike is probed saves the frozen spike state (a stop overrides the hold)",
+        (
+            (
+                "trainer/core/save_policy.py",
+                "        if hold:\n            return None\n",
+                "        if hold and not stop:\n            return None\n",
+            ),
+        ),
+        ("tests/test_save_policy.py::test_which_reason_wins_and_a_hold_never_saves",),
+        catch="assert decide(p, 10, stop=True, hold=True) is None",
+    ),
+    M(
+        "guard_silence_counted_from_its_start",
+        "the guard measures the lease's silence from its own start, not from the last renewal: it requeues a "
+        "healthy job",
+        (
+            (
+                "trainer/supervise/guard.py",
+                '            last, since = lease.get("beat"), time.monotonic()',
+                '            last = lease.get("beat")',
+            ),
+        ),
+        ("tests/test_guard.py::test_the_guard_waits_out_a_renewed_lease_and_requeues_once_it_stops",),
+        catch="assert took >= RENEWED_S + STALE_S - 0.15",
+    ),
+    M(
+        "grad_norm_sustain_off_by_one",
+        "a grad-norm spike must stay high one step longer than runbook.grad_sustain says",
+        (
+            (
+                "trainer/observe/spikes.py",
+                "if self._grad_high >= self.cfg.grad_sustain:",
+                "if self._grad_high > self.cfg.grad_sustain:",
+            ),
+        ),
+        ("tests/test_runbook.py::test_a_lone_grad_norm_blip_is_not_a_spike_but_a_sustained_rise_is",),
+        catch='assert [(s, a["do"]) for s, a in actions] == [(71, "hold"), (72, "spike")]',
+    ),
+    M(
+        "json_writes_nan_tokens",
+        "the run dir's JSON writer drops the strict encoding: a NaN loss is written as the non-standard NaN",
+        (
+            (
+                "trainer/observe/rundir.py",
+                "return json.dumps(_finite(obj), indent=indent, allow_nan=False)",
+                "return json.dumps(obj, indent=indent)",
+            ),
+        ),
+        ("tests/test_rundir.py::test_json_is_strict_nonfinite_floats_are_null_and_a_torn_file_reads_as_none",),
+        catch='assert strict == {"loss": None, "v": [1.5, None, None], "n": {"x": None, "k": 3}}, text',
+    ),
+    M(
+        "crash_loses_the_whole_interval",
+        "the survival model charges a crash the whole checkpoint interval, not half of it on average",
+        (
+            (
+                "trainer/survival/model.py",
+                "lost_h, checkpoints = min(tau_h, run_h) / 2.0, run_h / tau_h",
+                "lost_h, checkpoints = min(tau_h, run_h), run_h / tau_h",
+            ),
+        ),
+        ("tests/test_survival.py::test_lesson_numbers",),
+        catch='assert m["lost_per_crash_gpu_hours"] == pytest.approx(512.0)',
     ),
 ]
