@@ -1300,8 +1300,8 @@ MUTATIONS = [
         (
             (
                 "trainer/core/loss.py",
-                "dhead_DV = dhead_DV + jnp.einsum(",
-                "dhead_DV = 0 * dhead_DV + jnp.einsum(",
+                "nn.with_logical_constraint(dhead_SDV + d_SDV, per_shard)",
+                "nn.with_logical_constraint(0 * dhead_SDV + d_SDV, per_shard)",
             ),
         ),
         ("tests/test_loss.py::test_sliced_head_loss_matches_autodiff_of_the_whole_logits[float32-1e-05-8-0.01]",),

@@ -64,8 +64,14 @@ def _is_label(labels_BC, V: int):
     return jax.lax.broadcasted_iota(jnp.int32, (*labels_BC.shape, V), 2) == labels_BC[..., None]
 
 
+def _gathered(head_DV):
+    """The head whole along D (FSDP's shards gathered) before the slices' loop: inside it XLA gathers it again
+    at every slice."""
+    return nn.with_logical_constraint(head_DV, (None, "vocab"))
+
+
 def _forward(x_BLD, head_DV, labels_BL, chunk: int):
-    V = head_DV.shape[1]
+    V, head_DV = head_DV.shape[1], _gathered(head_DV)
 
     def one(_, xs):
         x_BCD, labels_BC = xs
@@ -78,35 +84,40 @@ def _forward(x_BLD, head_DV, labels_BL, chunk: int):
     return _unslice(lse), _unslice(label)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def head_loss_terms(x_BLD, head_DV, labels_BL, chunk: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def head_loss_terms(x_BLD, head_DV, labels_BL, chunk: int, shards: int = 1):
     """(lse [B, L], label logit [B, L]), both fp32, of logits = x @ head (operands in their dtype, fp32
-    accumulation), computed `chunk` positions at a time."""
+    accumulation), computed `chunk` positions at a time. `shards`: how many shards the batch is cut into."""
     return _forward(x_BLD, head_DV, labels_BL, chunk)
 
 
-def _fwd(x_BLD, head_DV, labels_BL, chunk):
+def _fwd(x_BLD, head_DV, labels_BL, chunk, shards):
     lse, label = _forward(x_BLD, head_DV, labels_BL, chunk)
     return (lse, label), (x_BLD, head_DV, labels_BL, lse)
 
 
-def _bwd(chunk, res, cts):
+def _bwd(chunk, shards, res, cts):
     x_BLD, head_DV, labels_BL, lse_BL = res
     d_lse_BL, d_label_BL = cts
-    V, dt = head_DV.shape[1], head_DV.dtype
+    (B, _, D), (_, V), dt, S = x_BLD.shape, head_DV.shape, head_DV.dtype, shards
+    # The head's gradient is summed per batch shard ([S, D, V], S sharded like the batch) and across shards
+    # once, after the last slice: a [D, V] sum would be reduced across the devices at every slice.
+    per_shard, whole_head = ("batch", None, "vocab"), _gathered(head_DV)
+    by_shard = lambda a: nn.with_logical_constraint(a.reshape(S, B // S, *a.shape[1:]), ("batch",))  # noqa: E731
 
-    def one(dhead_DV, xs):
+    def one(dhead_SDV, xs):
         x_BCD, labels_BC, lse_BC, d_lse_BC, d_label_BC = xs
-        probs_BCV = jnp.exp(_logits(x_BCD, head_DV) - lse_BC[..., None])
+        probs_BCV = jnp.exp(_logits(x_BCD, whole_head) - lse_BC[..., None])
         dlogits_BCV = d_lse_BC[..., None] * probs_BCV + jnp.where(_is_label(labels_BC, V), d_label_BC[..., None], 0.0)
         dlogits_BCV = nn.with_logical_constraint(dlogits_BCV.astype(dt), LOGITS)
-        dx_BCD = jnp.einsum("BCV,DV->BCD", dlogits_BCV, head_DV, preferred_element_type=jnp.float32)
-        dhead_DV = dhead_DV + jnp.einsum("BCD,BCV->DV", x_BCD, dlogits_BCV, preferred_element_type=jnp.float32)
-        return dhead_DV, dx_BCD.astype(x_BLD.dtype)
+        dx_BCD = jnp.einsum("BCV,DV->BCD", dlogits_BCV, whole_head, preferred_element_type=jnp.float32)
+        d_SDV = jnp.einsum("SbCD,SbCV->SDV", by_shard(x_BCD), by_shard(dlogits_BCV), preferred_element_type=jnp.float32)
+        return nn.with_logical_constraint(dhead_SDV + d_SDV, per_shard), dx_BCD.astype(x_BLD.dtype)
 
     xs = tuple(_slices(a, chunk) for a in (x_BLD, labels_BL, lse_BL, d_lse_BL, d_label_BL))
-    dhead_DV, dx = jax.lax.scan(one, jnp.zeros(head_DV.shape, jnp.float32), xs)
-    return _unslice(dx), dhead_DV.astype(dt), None
+    zeros = nn.with_logical_constraint(jnp.zeros((S, D, V), jnp.float32), per_shard)
+    dhead_SDV, dx = jax.lax.scan(one, zeros, xs)
+    return _unslice(dx), dhead_SDV.sum(0).astype(dt), None
 
 
 head_loss_terms.defvjp(_fwd, _bwd)
@@ -122,6 +133,6 @@ def next_token_loss(
     x_BLD, head_DV = model.apply({"params": params}, inputs_BL, deterministic=deterministic, rngs=rngs, hidden=True)
     B, L = inputs_BL.shape
     chunk = model.cfg.loss_chunk or auto_chunk(max(1, B // batch_shards), L, head_DV.shape[1])
-    lse_BL, label_BL = head_loss_terms(x_BLD, head_DV, labels_BL, chunk)
+    lse_BL, label_BL = head_loss_terms(x_BLD, head_DV, labels_BL, chunk, batch_shards)
     ce = jnp.mean(lse_BL - label_BL)
     return ce, (ce + z_loss * jnp.mean(jnp.square(lse_BL)) if z_loss else ce)
