@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, child_env
 
 from benchmarks import gpu_check, harness, recovery, run_all, table
@@ -90,6 +91,7 @@ def test_data_headroom_runs(tmp_path):
     assert res["pipeline"]["batches"] > 0 and res["gpu_124m_shape"]["batches"] > 0
 
 
+@pytest.mark.slow  # a real worker
 def test_kill_after_waits_for_the_checkpoint_to_be_sealed_not_only_committed(tmp_path):
     """A real worker hangs at step 4 with checkpoint 2 committed and sealed; its manifests are moved aside (the
     state between Orbax's commit and the sealing thread's manifest) and put back 2 s later. kill_after must
@@ -137,6 +139,7 @@ def test_kill_after_waits_for_the_checkpoint_to_be_sealed_not_only_committed(tmp
     assert 1.5 <= time.time() - t0 < 5
 
 
+@pytest.mark.slow  # trains the smoke's models on CPU for its 30-s budget
 def test_gpu_check_writes_as_it_goes_and_stops_parts_at_their_budgets(tmp_path):
     """gpu_check --cpu-smoke (issue 47). The 124M run's own budget of 3 s ends inside it (its cold compile and
     20 steps take ~15 s on 2 idle cores), so it is stopped, its process killed, and the parts after it still

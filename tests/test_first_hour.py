@@ -153,6 +153,7 @@ def test_gpu_settings_are_set_in_one_place_after_the_users_flags(monkeypatch):
             assert "--xla_" not in text and not re.search(r"environ\[[^\]]*XLA[^\]]*\] =", text), path
 
 
+@pytest.mark.slow  # its fixture trains (done)
 def test_a_run_records_its_attention_device_and_xla_flags(done):
     """Issue 47: every attempt's `compiled` event says which attention implementation its step runs
     (model.attention resolved for the backend), on which device and platform, under which XLA flags; the
@@ -170,6 +171,7 @@ def test_a_run_records_its_attention_device_and_xla_flags(done):
     assert line == f"device    cpu (cpu)   attention xla   XLA_FLAGS {os.environ['XLA_FLAGS']}", line
 
 
+@pytest.mark.slow  # its fixture trains (done)
 def test_mfu_counts_attentions_causal_half_and_keeps_the_whole_beside_it(done):
     """Issue 47: a step's `mfu` counts attention's causal half (6 x layers x D x L FLOPs a token, as llm.c and
     MaxText count); `mfu_full_attn` beside it, the figure logged before, the whole L x L (nanoGPT's and

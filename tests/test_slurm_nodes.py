@@ -52,6 +52,7 @@ WRITE_AND_LIST = f'touch "${NODE_LOCAL_VAR}/from.$SLURMD_NODENAME"; echo "$SLURM
 
 
 # "auto" is a private tmpfs per node where mount namespaces work (they do under gVisor), else "dir".
+@pytest.mark.slow  # a private SLURM cluster
 @pytest.mark.parametrize("mode", ["auto", "dir"])
 def test_three_nodes_each_with_its_own_node_local_storage(tmp_path, mode):
     _require_slurm()
@@ -84,6 +85,7 @@ def test_three_nodes_each_with_its_own_node_local_storage(tmp_path, mode):
     assert ours not in after and all(ln in after for ln in hosts if "# local_slurm" not in ln)
 
 
+@pytest.mark.slow  # a private SLURM cluster
 def test_lost_node_goes_down_and_a_new_step_runs_on_the_others(tmp_path):
     _require_slurm()
     t_all = time.monotonic()
