@@ -191,11 +191,15 @@ def priced_s(cfg: Config, plan: list[Planned], steps: int, *, step_s: float, sta
     return startup_s + steps * step_s + sum(fault_s(cfg, p.kind, step_s=step_s, startup_s=startup_s) for p in plan)
 
 
+def mean_fault_s(cfg: Config, kinds: list[str], *, step_s: float, startup_s: float) -> float:
+    """fault_s averaged over `kinds` (each as likely as the others)."""
+    return sum(fault_s(cfg, k, step_s=step_s, startup_s=startup_s) for k in kinds) / len(kinds)
+
+
 def need_s(cfg: Config, kinds: list[str], faults: int, *, mtbf_s: float, step_s: float, startup_s: float) -> float:
     """The wall `faults` faults drawn from `kinds` take on average: a start-up, and each fault the mean
     time between failures of training and its cost."""
-    mean = sum(fault_s(cfg, k, step_s=step_s, startup_s=startup_s) for k in kinds) / len(kinds)
-    return startup_s + faults * (mtbf_s + mean)
+    return startup_s + faults * (mtbf_s + mean_fault_s(cfg, kinds, step_s=step_s, startup_s=startup_s))
 
 
 def check(
@@ -219,20 +223,9 @@ def check(
             f"{what} ({', '.join(kinds)}): a drill of fewer than {min_kinds} kinds shows little about a "
             f"configuration; {'name more' if named else 'see why the others cannot'}, or lower --min-kinds"
         )
-    need = need_s(cfg, kinds, min_faults, mtbf_s=mtbf_s, step_s=step_s, startup_s=startup_s)
-    if need > GROW_LIMIT * minutes * 60:
-        raise Refused(
-            refusal(
-                cfg,
-                kinds,
-                minutes=minutes,
-                mtbf_s=mtbf_s,
-                step_s=step_s,
-                startup_s=startup_s,
-                min_faults=min_faults,
-                min_kinds=min_kinds,
-            )
-        )
+    ask = dict(minutes=minutes, mtbf_s=mtbf_s, step_s=step_s, startup_s=startup_s, min_faults=min_faults)
+    if need_s(cfg, kinds, min_faults, mtbf_s=mtbf_s, step_s=step_s, startup_s=startup_s) > GROW_LIMIT * minutes * 60:
+        raise Refused(refusal(cfg, kinds, **ask, min_kinds=min_kinds))
 
 
 def refusal(
@@ -309,7 +302,7 @@ def size(
     priced as fault_s), drawn; a draw short of `min_faults` faults of `min_kinds` kinds is grown, step by step
     at the same mean time between failures, until it holds them, as long as its price stays within
     GROW_LIMIT x the minutes. Refused (one line: refusal()) when it cannot."""
-    mean = sum(fault_s(cfg, k, step_s=step_s, startup_s=startup_s) for k in kinds) / len(kinds)
+    mean = mean_fault_s(cfg, kinds, step_s=step_s, startup_s=startup_s)
     steps = first = max(int((minutes * 60 - startup_s) / (step_s * (1 + mean / mtbf_s))), 20)
     limit = GROW_LIMIT * minutes * 60
     while True:
@@ -319,20 +312,9 @@ def size(
         if holds and (steps == first or price <= limit):
             return Sized(steps, drawn, price, 0 if steps == first else first)
         if price > limit:
-            kinds_drawn = len({p.kind for p in drawn})
-            raise Refused(
-                refusal(
-                    cfg,
-                    kinds,
-                    minutes=minutes,
-                    mtbf_s=mtbf_s,
-                    step_s=step_s,
-                    startup_s=startup_s,
-                    min_faults=min_faults,
-                    min_kinds=min_kinds,
-                    drawn=(len(drawn), kinds_drawn, price),
-                )
-            )
+            ask = dict(minutes=minutes, mtbf_s=mtbf_s, step_s=step_s, startup_s=startup_s, min_faults=min_faults)
+            drawn_kinds = len({p.kind for p in drawn})
+            raise Refused(refusal(cfg, kinds, **ask, min_kinds=min_kinds, drawn=(len(drawn), drawn_kinds, price)))
         steps += max(steps // 10, int(mtbf_s / step_s), 1)
 
 
