@@ -1,5 +1,5 @@
 """#2 Checkpoint cost on a >= 100M-parameter model (CPU, one device): how long the trainer's async save
-(trainer.core.checkpoint.Checkpointer, Orbax) blocks training vs a synchronous save of the same state, and
+(trainer.ckpt.checkpoint.Checkpointer, Orbax) blocks training vs a synchronous save of the same state, and
 steady tokens/s with one save per ~10 s of training vs none, in alternating windows of one process.
 """
 
@@ -30,10 +30,10 @@ class _Bench:
         import jax
         import numpy as np
 
-        from trainer.core import mesh as mesh_lib
-        from trainer.core import state as state_lib
-        from trainer.core.step import lower_train_step
-        from trainer.core.worker import state_spec
+        from trainer.parallel import mesh as mesh_lib
+        from trainer.train import state as state_lib
+        from trainer.train.step import lower_train_step
+        from trainer.train.worker import state_spec
 
         self.jax = jax
         mesh = mesh_lib.make_mesh(cfg.mesh)
@@ -138,8 +138,8 @@ def _windows(b: _Bench, ckpt, n: int, rounds: int) -> dict:
 
 
 def measure(work: Path, quick: bool) -> dict:
+    from trainer.ckpt.checkpoint import Checkpointer
     from trainer.config import CheckpointConfig
-    from trainer.core.checkpoint import Checkpointer
 
     b = _Bench(QUICK_MODEL if quick else MODEL)
     b.steps(2)  # warm-up (first runs allocate)

@@ -35,7 +35,7 @@ def _restore_s(ck, step: int, abstract) -> dict:
 
 
 def _seal_cpu_s(step_dir: Path) -> dict:
-    from trainer.observe import manifest
+    from trainer.ckpt import manifest
 
     c0, t0 = time.process_time(), time.perf_counter()
     manifest.write(step_dir, process=0, processes=1, durable=False)
@@ -46,8 +46,8 @@ def _seal_cpu_s(step_dir: Path) -> dict:
 def _save_cpu_s(b: _Bench, directory: Path, tier: str) -> dict:
     """CPU-seconds (all threads) of one synchronous save, sealing included: what a save takes from training on
     a CPU host whatever the neighbours' load (wall-clock ratios move with it)."""
+    from trainer.ckpt.checkpoint import Checkpointer
     from trainer.config import CheckpointConfig
-    from trainer.core.checkpoint import Checkpointer
 
     shutil.rmtree(directory, ignore_errors=True)
     ck = Checkpointer(directory, CheckpointConfig(keep_latest=1, async_save=False), tier=tier)
@@ -62,8 +62,8 @@ def _save_cpu_s(b: _Bench, directory: Path, tier: str) -> dict:
 
 
 def _tier(b: _Bench, directory: Path, tier: str, n: int, rounds: int) -> dict:
+    from trainer.ckpt.checkpoint import Checkpointer
     from trainer.config import CheckpointConfig
-    from trainer.core.checkpoint import Checkpointer
 
     sync = _save_cpu_s(b, directory, tier)
     ck = Checkpointer(directory, CheckpointConfig(keep_latest=1), tier=tier)

@@ -24,9 +24,9 @@ def _one(overrides: list[str]) -> dict:
 
     cfg = load_config(harness.TINY, ["run.compile_cache=", *overrides])
     configure_devices(cfg)
-    from trainer.core import mesh as mesh_lib
-    from trainer.core.step import lower_train_step
-    from trainer.core.worker import state_spec
+    from trainer.parallel import mesh as mesh_lib
+    from trainer.train.step import lower_train_step
+    from trainer.train.worker import state_spec
 
     mesh = mesh_lib.make_mesh(cfg.mesh)
     spec = state_spec(cfg, mesh)

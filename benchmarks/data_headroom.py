@@ -20,7 +20,7 @@ H200_PEAK = 989e12  # dense bf16 FLOP/s, the trainer's own MFU table
 def pipeline_tokens_per_s(*, batch: int, seq_len: int, seconds: float, warmup: int = 10, path: str = "") -> dict:
     """Drain the trainer's grain iterator for `seconds` after `warmup` batches (thread start-up)."""
     from trainer.config import load_config
-    from trainer.core import data
+    from trainer.train import data
 
     cfg = load_config(harness.TINY, [f"data.batch_size={batch}", f"model.seq_len={seq_len}", f"data.path={path}"])
     corpus = data.prepare(cfg.data)
@@ -51,7 +51,7 @@ def _gpu_124m_consumption() -> float:
     import jax.numpy as jnp
 
     from trainer.config import load_config
-    from trainer.core.model import GPT, flops_per_token
+    from trainer.model.model import GPT, flops_per_token
 
     m = load_config(str(harness.ROOT / "configs" / "gpt2-124m.yaml")).model
     shapes = jax.eval_shape(lambda: GPT(m).init(jax.random.key(0), jnp.zeros((1, m.seq_len), jnp.int32)))
@@ -98,7 +98,7 @@ def measure(consumed_tokens_per_s: float, quick: bool, work) -> dict:
             modelled_consumption_tokens_per_s=need,
             headroom_vs_modelled=gpu_bpe["tokens_per_s"] / need,
         ),
-        "setup": "trainer.core.data.make_iterator with configs/tiny.yaml's data settings (grain; read threads "
+        "setup": "trainer.train.data.make_iterator with configs/tiny.yaml's data settings (grain; read threads "
         "and prefetch as recorded here), drained alone on the host; consumption = the full trainer's "
         "steady tokens/s from the step-overhead benchmark",
     }

@@ -64,7 +64,7 @@ def _text_corpus(d: Path, mb: int) -> Path:
 
 def startup(work: Path, mb: int) -> dict:
     from trainer.config import DataConfig
-    from trainer.core import data
+    from trainer.train import data
 
     text = _text_corpus(work / f"text-{mb}mb", mb)
     cache = work / "cache"

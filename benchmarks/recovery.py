@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from benchmarks import harness
-from trainer.observe import manifest
+from trainer.ckpt import manifest
 
 TARGET = 0.5
 

@@ -22,7 +22,7 @@ INTERVAL = 10  # the interval the headline figure is given for
 
 def _one(overrides: list[str], reps: int) -> dict:
     from benchmarks.checkpoint_cost import _Bench
-    from trainer.core.replicas import ReplicaCheck
+    from trainer.train.replicas import ReplicaCheck
 
     b = _Bench([*MESH, *overrides])
     b.steps(3)
@@ -53,7 +53,7 @@ def measure(quick: bool) -> dict:
         "models": out,
         "met": {f"replica_check_overhead_at_{INTERVAL}": overhead <= 0.01},
         "setup": f"8 fake CPU devices, mesh {' '.join(MESH)}; compiled train step over pre-loaded batches vs "
-        "trainer.core.replicas.ReplicaCheck.check (jitted per-device fingerprints, gathered, compared)",
+        "trainer.train.replicas.ReplicaCheck.check (jitted per-device fingerprints, gathered, compared)",
     }
 
 

@@ -51,9 +51,9 @@ def _bare_setup(compile_cache: str):
     configure_devices(cfg)
     import jax
 
-    from trainer.core import data, worker
-    from trainer.core import mesh as mesh_lib
-    from trainer.core.step import lower_train_step
+    from trainer.parallel import mesh as mesh_lib
+    from trainer.train import data, worker
+    from trainer.train.step import lower_train_step
 
     worker.setup_compile_cache(cfg.run.compile_cache)
     mesh = mesh_lib.make_mesh(cfg.mesh)

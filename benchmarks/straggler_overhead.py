@@ -78,9 +78,9 @@ def _parts(work: Path) -> dict:
     log.health_every_s, in its own thread)."""
 
     from trainer.config import LogConfig
-    from trainer.core.step_log import MARKS
     from trainer.observe import health
     from trainer.observe.heartbeat import Heartbeat
+    from trainer.train.step_log import MARKS
 
     hb = Heartbeat(work / "parts", 0)
     plain = harness.per_call(lambda: hb.beat("step", 1), 2000)

@@ -8,9 +8,11 @@ repository, run the tests that promise to catch it there, and print a table (mut
     python tests/mutate.py --out benchmarks/results/mutations.md --jobs 2 # baseline first, then the table
 
 Each mutation is a list of edits (file, old text, new text); the old text must occur exactly once, so the
-harness fails loudly when the code it mutates has moved. Each names the tests that should catch it and, in
-`catch`, the assertion designed to: a substring of the test-suite statement the failure must be raised at
-(found from pytest's traceback, run with PYTHONPATH at the copy: workers start from it too). Caught means
+harness fails loudly when the code it mutates has changed. An edit follows its code across a move: when the
+named file no longer holds the old text, the one module under trainer/ that does is edited instead. Each
+names the tests that should catch it and, in `catch`, the assertion designed to: a substring of the
+test-suite statement the failure must be raised at (found from pytest's traceback, run with PYTHONPATH at
+the copy: workers start from it too). Caught means
 the designed assertion failed: an AssertionError (or pytest's `Failed` of a `pytest.raises` that did not
 raise, or of a `pytest.fail`) raised by the test-suite statement that contains `catch` itself, the innermost
 frame of the traceback. A test that fails any other way (another exception at that line, an assert deeper in
@@ -58,12 +60,30 @@ def _copy(dest: Path) -> None:
         (shutil.copytree(src, dest / name, ignore=ignore) if src.is_dir() else shutil.copy2(src, dest / name))
 
 
-def _plant(m: Mutation, read: Callable[[str], str]) -> tuple[dict[str, str], list[str]]:
-    """The mutated text of each file m edits (read(file) gives the original) and what is wrong with m's edits:
-    an old text that does not occur exactly once (after the edits before it), a mutant that does not parse."""
+def _locate(root: Path, file: str, old: str) -> str:
+    """The file an edit applies to: the one it names while that holds the old text, else the one module under
+    trainer/ that does (so an anchor follows its code when a module moves or is renamed); the named file
+    when none or several do (the caller then reports the anchor as moved)."""
+    named = root / file
+    if not file.startswith("trainer/") or (named.is_file() and old in named.read_text()):
+        return file
+    hits = [p.relative_to(root).as_posix() for p in sorted((root / "trainer").rglob("*.py")) if old in p.read_text()]
+    return hits[0] if len(hits) == 1 else file
+
+
+def edited_files(m: Mutation, root: Path) -> list[str]:
+    """The files m's edits apply to, found by content (_locate)."""
+    return [_locate(root, file, old) for file, old, _ in m.edits]
+
+
+def _plant(m: Mutation, root: Path) -> tuple[dict[str, str], list[str]]:
+    """The mutated text of each file m edits (found under root by content: _locate) and what is wrong with
+    m's edits: an old text that does not occur exactly once (after the edits before it), a mutant that does
+    not parse."""
+    read: Callable[[str], str] = lambda f: (root / f).read_text()  # noqa: E731
     texts: dict[str, str] = {}
     problems: list[str] = []
-    for file, old, new in m.edits:
+    for (_, old, new), file in zip(m.edits, edited_files(m, root), strict=True):
         if file not in texts:
             try:
                 texts[file] = read(file)
@@ -87,7 +107,7 @@ def _plant(m: Mutation, read: Callable[[str], str]) -> tuple[dict[str, str], lis
 
 
 def _apply(dest: Path, m: Mutation) -> None:
-    texts, problems = _plant(m, lambda f: (dest / f).read_text())
+    texts, problems = _plant(m, dest)
     if problems:
         raise SystemExit("\n".join(problems) + "\nupdate tests/mutations.py")
     for file, text in texts.items():
@@ -388,7 +408,7 @@ def _node_ids_exist(root: Path, ids: set[str]) -> list[str]:
 
 def untouched(root: Path = ROOT) -> list[str]:
     """The trainer's modules (package __init__ and __main__ files aside) that no mutation edits."""
-    edited = {file for m in MUTATIONS for file, _, _ in m.edits}
+    edited = {file for m in MUTATIONS for file in edited_files(m, root)}
     mods = (p.relative_to(root).as_posix() for p in sorted((root / "trainer").rglob("*.py")))
     return [f for f in mods if f not in edited and not f.endswith(("/__init__.py", "/__main__.py"))]
 
@@ -407,7 +427,7 @@ def problems(mutations: list[Mutation], root: Path = ROOT) -> list[str]:
             out.append(f"{m.name}: names no test")
         if not m.catch:
             out.append(f"{m.name}: no designed assertion (catch=...)")
-        out += _plant(m, lambda f: (root / f).read_text())[1]
+        out += _plant(m, root)[1]
         files = {t.split("::")[0] for t in m.tests}
         sources = [(root / f).read_text() for f in files if (root / f).is_file()]
         if m.catch and sources and not any(m.catch in src for src in sources):

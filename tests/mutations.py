@@ -24,7 +24,7 @@ MUTATIONS = [
         "the checkpoint saves the dropout PRNG key as zeros",
         (
             (
-                "trainer/core/loop.py",
+                "trainer/train/loop.py",
                 "blocking = w.ckpt.save(step, st, {",
                 "blocking = w.ckpt.save(step, dict(st, rng=st['rng'] * 0), {",
             ),
@@ -37,7 +37,7 @@ MUTATIONS = [
         "a resumed data iterator starts one batch early (the batch before the checkpoint is trained on twice)",
         (
             (
-                "trainer/core/loop.py",
+                "trainer/train/loop.py",
                 'it.set_state({"next_index": start})',
                 'it.set_state({"next_index": start - 1 if start else start})',
             ),
@@ -50,12 +50,12 @@ MUTATIONS = [
         "after rejecting the newest checkpoint the restore takes the oldest, not the previous",
         (
             (
-                "trainer/core/tiers.py",
+                "trainer/ckpt/tiers.py",
                 "            self._move_aside(tier, step, problem)\n",
                 "            self._move_aside(tier, step, problem)\n            self.fell_back = True\n",
             ),
             (
-                "trainer/core/tiers.py",
+                "trainer/ckpt/tiers.py",
                 "return max(cands, key=lambda c: (c[0], c[1] == LOCAL), default=None)",
                 "return (min if getattr(self, 'fell_back', False) else max)"
                 "(cands, key=lambda c: (c[0], c[1] == LOCAL), default=None)",
@@ -73,7 +73,7 @@ MUTATIONS = [
         "fallback path (the resume check raises instead of asking an older checkpoint)",
         (
             (
-                "trainer/core/tiers.py",
+                "trainer/ckpt/tiers.py",
                 "        except Exception:  # torn or corrupt: an older one answers the same question",
                 "        except FileNotFoundError:  # torn or corrupt: an older one answers the same question",
             ),
@@ -86,7 +86,7 @@ MUTATIONS = [
         "Orbax saves synchronously (the loop blocks until the checkpoint is written)",
         (
             (
-                "trainer/core/checkpoint.py",
+                "trainer/ckpt/checkpoint.py",
                 "enable_async_checkpointing=cfg.async_save,",
                 "enable_async_checkpointing=False,",
             ),
@@ -166,7 +166,7 @@ MUTATIONS = [
         "summary.json's params_sha256 hashes the optimizer state",
         (
             (
-                "trainer/core/endings.py",
+                "trainer/train/endings.py",
                 'digest = params_sha256(st["params"])',
                 'digest = params_sha256(st["opt_state"])',
             ),
@@ -179,7 +179,7 @@ MUTATIONS = [
         "the replica check never reports a mismatch",
         (
             (
-                "trainer/core/loop.py",
+                "trainer/train/loop.py",
                 'if (bad := w.replicas.check(st["params"])) is not None:',
                 'if (bad := w.replicas.check(st["params"])) is not None and False:',
             ),
@@ -190,7 +190,7 @@ MUTATIONS = [
     M(
         "manifest_not_verified",
         "restores skip the sha256 manifests",
-        (("trainer/core/tiers.py", "self.durable.verify(step) if self.cfg.verify else None", "None"),),
+        (("trainer/ckpt/tiers.py", "self.durable.verify(step) if self.cfg.verify else None", "None"),),
         ("tests/test_integrity.py::test_a_bad_newest_checkpoint_is_rejected_and_the_previous_one_used[bytes_flipped]",),
         catch='== [(20, "durable", bad_file)]',
     ),
@@ -225,7 +225,7 @@ MUTATIONS = [
         "a resume on other training data is not refused",
         (
             (
-                "trainer/core/worker.py",
+                "trainer/train/worker.py",
                 'if saved["data_fingerprint"] != fingerprint:',
                 'if saved["data_fingerprint"] != fingerprint and False:',
             ),
@@ -277,7 +277,7 @@ MUTATIONS = [
         "the signal fault always sends SIGKILL",
         (
             (
-                "trainer/supervise/faults.py",
+                "trainer/faults/injector.py",
                 "os.kill(os.getpid(), getattr(signal, f.signal))",
                 "os.kill(os.getpid(), signal.SIGKILL)",
             ),
@@ -339,7 +339,7 @@ MUTATIONS = [
         "at equal steps the restore takes the durable checkpoint, not the local copy",
         (
             (
-                "trainer/core/tiers.py",
+                "trainer/ckpt/tiers.py",
                 "key=lambda c: (c[0], c[1] == LOCAL), default=None)",
                 "key=lambda c: (c[0], c[1] == DURABLE), default=None)",
             ),
@@ -350,14 +350,14 @@ MUTATIONS = [
     M(
         "local_copy_of_another_mesh_used",
         "a local copy saved under another mesh is restored",
-        (("trainer/core/tiers.py", ' or meta.get("mesh") != layout["mesh"]:', ":"),),
+        (("trainer/ckpt/tiers.py", ' or meta.get("mesh") != layout["mesh"]:', ":"),),
         ("tests/test_tiers.py::test_a_local_copy_is_used_only_with_the_mesh_and_process_count_it_was_saved_under",),
         catch='"another mesh"',
     ),
     M(
         "local_copy_of_another_process_count_used",
         "a local copy saved with another process count is restored",
-        (("trainer/core/tiers.py", 'meta.get("processes") != layout["processes"] or ', ""),),
+        (("trainer/ckpt/tiers.py", 'meta.get("processes") != layout["processes"] or ', ""),),
         ("tests/test_tiers.py::test_a_local_copy_is_used_only_with_the_mesh_and_process_count_it_was_saved_under",),
         catch='"another process count"',
     ),
@@ -366,7 +366,7 @@ MUTATIONS = [
         "a local copy from the history the runbook rewound away from is restored",
         (
             (
-                "trainer/core/tiers.py",
+                "trainer/ckpt/tiers.py",
                 'stale = any(to < step for to in self.rewinds[int(meta.get("lineage", 0)) :])',
                 "stale = False",
             ),
@@ -377,7 +377,7 @@ MUTATIONS = [
     M(
         "lineage_not_saved",
         "local saves do not record how many rewinds preceded them: a copy saved after a rewind counts as rewound away",
-        (("trainer/core/tiers.py", "meta = dict(meta, lineage=len(self.rewinds))", "meta = dict(meta)"),),
+        (("trainer/ckpt/tiers.py", "meta = dict(meta, lineage=len(self.rewinds))", "meta = dict(meta)"),),
         ("tests/test_tiers.py::test_a_local_copy_from_a_history_the_runbook_rewound_away_from_is_never_used",),
         catch="a copy saved after the rewind was passed over",
     ),
@@ -386,7 +386,7 @@ MUTATIONS = [
         "a failed local save leaves the local tier on: every later local save fails again",
         (
             (
-                "trainer/core/tiers.py",
+                "trainer/ckpt/tiers.py",
                 'action="local tier off until restart")\n        self.local = None\n',
                 'action="local tier off until restart")\n',
             ),
@@ -401,7 +401,7 @@ MUTATIONS = [
         "a failed local save ends the run like a failed durable one (exit 81)",
         (
             (
-                "trainer/core/tiers.py",
+                "trainer/ckpt/tiers.py",
                 "            self._local_failed()\n        return self.durable.failure",
                 "            return self.local.failure\n        return self.durable.failure",
             ),
@@ -414,28 +414,28 @@ MUTATIONS = [
     M(
         "restore_reads_not_retried",
         "a possibly transient error while Orbax reads a checkpoint is not retried",
-        (("trainer/core/tiers.py", "        manifest.retrying(load)\n", "        load()\n"),),
+        (("trainer/ckpt/tiers.py", "        manifest.retrying(load)\n", "        load()\n"),),
         ("tests/test_integrity.py::test_possibly_transient_read_errors_are_retried_and_others_are_not",),
         catch="a transient error on the restore path was not retried",
     ),
     M(
         "retry_waits_do_not_double",
         "retries wait 1, 1, 1 s instead of 1, 2, 4 s",
-        (("trainer/observe/manifest.py", "time.sleep(wait_s * 2**attempt)", "time.sleep(wait_s)"),),
+        (("trainer/ckpt/manifest.py", "time.sleep(wait_s * 2**attempt)", "time.sleep(wait_s)"),),
         ("tests/test_integrity.py::test_possibly_transient_read_errors_are_retried_and_others_are_not",),
         catch="the waits do not double",
     ),
     M(
         "retry_waits_start_shorter",
         "the first retry waits 0.5 s, not the README's 1 s",
-        (("trainer/observe/manifest.py", "RETRIES, RETRY_WAIT_S = 3, 1.0", "RETRIES, RETRY_WAIT_S = 3, 0.5"),),
+        (("trainer/ckpt/manifest.py", "RETRIES, RETRY_WAIT_S = 3, 1.0", "RETRIES, RETRY_WAIT_S = 3, 0.5"),),
         ("tests/test_integrity.py::test_possibly_transient_read_errors_are_retried_and_others_are_not",),
         catch="calls[1] - calls[0] >= 1.0",
     ),
     M(
         "two_retries",
         "a possibly transient read error is retried twice, not 3 times",
-        (("trainer/observe/manifest.py", "RETRIES, RETRY_WAIT_S = 3, 1.0", "RETRIES, RETRY_WAIT_S = 2, 1.0"),),
+        (("trainer/ckpt/manifest.py", "RETRIES, RETRY_WAIT_S = 3, 1.0", "RETRIES, RETRY_WAIT_S = 2, 1.0"),),
         ("tests/test_integrity.py::test_possibly_transient_read_errors_are_retried_and_others_are_not",),
         catch="not 3 retries by default",
     ),
@@ -444,7 +444,7 @@ MUTATIONS = [
         "checkpoint.verify=false still writes content manifests",
         (
             (
-                "trainer/core/checkpoint.py",
+                "trainer/ckpt/checkpoint.py",
                 "            if self.cfg.verify:\n                manifest.write(",
                 "            if True:\n                manifest.write(",
             ),
@@ -459,7 +459,7 @@ MUTATIONS = [
         "checkpoint.verify=false still requires manifests of a durable checkpoint",
         (
             (
-                "trainer/core/tiers.py",
+                "trainer/ckpt/tiers.py",
                 "self.durable.verify(step) if self.cfg.verify else None",
                 "self.durable.verify(step)",
             ),
@@ -474,7 +474,7 @@ MUTATIONS = [
         "checkpoint.verify=false still requires manifests of a local copy",
         (
             (
-                "trainer/core/tiers.py",
+                "trainer/ckpt/tiers.py",
                 "        if not self.cfg.verify:\n            return None\n        for folder in folders:",
                 "        for folder in folders:",
             ),
@@ -489,7 +489,7 @@ MUTATIONS = [
         "a durable checkpoint that verifies but fails to load ends the restore (the run starts from scratch)",
         (
             (
-                "trainer/core/tiers.py",
+                "trainer/ckpt/tiers.py",
                 "restored, problem = self._restore(self.durable, step, abstract_state)",
                 "restored, _ = self._restore(self.durable, step, abstract_state)",
             ),
@@ -504,7 +504,7 @@ MUTATIONS = [
         "a local copy that verifies but fails to load is not rejected",
         (
             (
-                "trainer/core/tiers.py",
+                "trainer/ckpt/tiers.py",
                 "return p and manifest.Problem(f\"{got.get('reading', '')}/\", p.reason)",
                 "return None",
             ),
@@ -519,7 +519,7 @@ MUTATIONS = [
         "a durable save on a full disk ends the run without a checkpoint_failed event",
         (
             (
-                "trainer/core/endings.py",
+                "trainer/train/endings.py",
                 '    w.events.write(CHECKPOINT_FAILED, step=step, tier="durable", message=msg)\n',
                 "",
             ),
@@ -558,7 +558,7 @@ MUTATIONS = [
         "the replica check runs only every N steps, not before every save (a corrupt state can be saved)",
         (
             (
-                "trainer/core/loop.py",
+                "trainer/train/loop.py",
                 "if _replicas_due(w, step, saving=save is not None):",
                 "if _replicas_due(w, step, saving=False):",
             ),
@@ -569,7 +569,7 @@ MUTATIONS = [
     M(
         "no_periodic_replica_check",
         "the replica check runs only before saves, not every N steps",
-        (("trainer/core/loop.py", "(saving or step % w.cfg.integrity.replica_check_steps == 0)", "(saving)"),),
+        (("trainer/train/loop.py", "(saving or step % w.cfg.integrity.replica_check_steps == 0)", "(saving)"),),
         ("tests/test_integrity.py::test_a_bitflip_in_one_replica_is_caught_rewound_and_the_run_ends_identical",),
         catch='last_good"]) for m in _of(run, "replica_mismatch")] == [(20, 14)]',
     ),
@@ -592,7 +592,7 @@ MUTATIONS = [
         "export accepts an existing non-empty --out (then fails renaming onto it, with a traceback)",
         (
             (
-                "trainer/core/export.py",
+                "trainer/tools/export.py",
                 "if out.exists() and not (out.is_dir() and not any(out.iterdir())):",
                 "if out.exists() and not out.is_dir():",
             ),
@@ -605,7 +605,7 @@ MUTATIONS = [
         "export imports torch (README: neither torch nor transformers is needed to export)",
         (
             (
-                "trainer/core/export.py",
+                "trainer/tools/export.py",
                 "    from safetensors.numpy import save_file\n",
                 "    import torch  # noqa: F401\n    from safetensors.numpy import save_file\n",
             ),
@@ -616,28 +616,28 @@ MUTATIONS = [
     M(
         "sample_top_k_ignored",
         "`sample --top-k` is not passed to the decoder (draws from every token)",
-        (("trainer/core/sample.py", "        top_k=args.top_k,\n", "        top_k=0,\n"),),
+        (("trainer/tools/sample.py", "        top_k=args.top_k,\n", "        top_k=0,\n"),),
         ("tests/test_export.py::test_sample_top_k_seed_and_an_empty_prompt",),
         catch='top1["new_ids"] == generate(loaded, [eos]',
     ),
     M(
         "sample_seed_ignored",
         "`sample --seed` is not passed to the decoder (every seed draws seed 0's text)",
-        (("trainer/core/sample.py", "        seed=args.seed,\n", "        seed=0,\n"),),
+        (("trainer/tools/sample.py", "        seed=args.seed,\n", "        seed=0,\n"),),
         ("tests/test_export.py::test_sample_top_k_seed_and_an_empty_prompt",),
         catch='hot["new_ids"] == generate(loaded, hot["prompt_ids"], seed=1',
     ),
     M(
         "sample_empty_prompt_not_eos",
         '`sample --prompt ""` starts from token 0 instead of end-of-text',
-        (("trainer/core/sample.py", "or [tok.eos_id]", "or [0]"),),
+        (("trainer/tools/sample.py", "or [tok.eos_id]", "or [0]"),),
         ("tests/test_export.py::test_sample_top_k_seed_and_an_empty_prompt",),
         catch='top1["prompt_ids"] == [eos]',
     ),
     M(
         "sample_default_temperature",
         "`sample` is greedy by default, not the README's temperature 0.8",
-        (("trainer/core/sample.py", 'default=0.8, metavar="T"', 'default=0.0, metavar="T"'),),
+        (("trainer/tools/sample.py", 'default=0.8, metavar="T"', 'default=0.0, metavar="T"'),),
         ("tests/test_export.py::test_a_prepared_tokenizer_is_exported_and_sample_uses_it",),
         catch='got["new_ids"] == want',
     ),
@@ -745,7 +745,7 @@ MUTATIONS = [
         "inspect's MFU ceiling takes the old model FLOPs (the whole L x L attention) as useful: it passes 100%",
         (
             (
-                "trainer/core/inspect.py",
+                "trainer/tools/inspect.py",
                 "    useful_flops = (useful.matmul_params + useful.attention) * tokens_per_device\n",
                 "    useful_flops = model_full_attn\n",
             ),
@@ -758,7 +758,7 @@ MUTATIONS = [
         "the HLO reader counts only legacy cuBLAS gemm calls as matmuls: a GPU's cuBLASLt matmuls drop out",
         (
             (
-                "trainer/core/hlo.py",
+                "trainer/tools/hlo.py",
                 'return target == "__cublas$gemm" or target.startswith("__cublas$lt$matmul")',
                 'return target == "__cublas$gemm"',
             ),
@@ -771,7 +771,7 @@ MUTATIONS = [
         "the step's mfu counts the whole L x L attention (PaLM's figure), not the causal half the anchors count",
         (
             (
-                "trainer/core/step_log.py",
+                "trainer/train/step_log.py",
                 'rec["mfu"] = tps * self.flops_per_token / self.peak',
                 'rec["mfu"] = tps * self.flops_per_token_full_attn / self.peak',
             ),
@@ -784,7 +784,7 @@ MUTATIONS = [
         "inspect's collective total counts each all-reduce's bytes twice (a ring's wire bytes, not the dump's)",
         (
             (
-                "trainer/core/inspect.py",
+                "trainer/tools/inspect.py",
                 '"collective_bytes_total": stats.total_collective_bytes,',
                 '"collective_bytes_total": stats.total_collective_bytes + stats.collective_bytes["all-reduce"],',
             ),
@@ -810,7 +810,7 @@ MUTATIONS = [
     M(
         "loop_ignores_time_cadence",
         "the training loop never passes the time cadence (checkpoint.every_minutes) to the group's agreement",
-        (("trainer/core/loop.py", "timed=due.durable,", "timed=False,"),),
+        (("trainer/train/loop.py", "timed=due.durable,", "timed=False,"),),
         ("tests/test_save_policy.py::test_the_loop_asks_the_time_cadence_at_every_step",),
         catch='decided == [None, None, Save("durable", "periodic")',
     ),
@@ -819,7 +819,7 @@ MUTATIONS = [
         "every microbatch of a step draws its dropout from the same key",
         (
             (
-                "trainer/core/step.py",
+                "trainer/train/step.py",
                 "grad_fn(params, tokens_bL1, jax.random.fold_in(key, i))",
                 "grad_fn(params, tokens_bL1, key)",
             ),
@@ -830,7 +830,7 @@ MUTATIONS = [
     M(
         "prng_key_never_advances",
         "the train step hands back the PRNG key it was given (the saved key is then always the seed's)",
-        (("trainer/core/step.py", '"rng": jax.random.key_data(next_key),', '"rng": state["rng"],'),),
+        (("trainer/train/step.py", '"rng": jax.random.key_data(next_key),', '"rng": state["rng"],'),),
         ("tests/test_resume.py::test_each_microbatch_draws_its_own_dropout_key_and_each_step_advances_the_saved_one",),
         catch="not np.array_equal(key1, key0)",
     ),
@@ -839,7 +839,7 @@ MUTATIONS = [
         "a restore takes the PRNG key of a fresh init (the seed's) instead of the checkpoint's",
         (
             (
-                "trainer/core/loop.py",
+                "trainer/train/loop.py",
                 "return restored.state, restored.step, restored.tier",
                 'return dict(restored.state, rng=w.spec.init()["rng"]), restored.step, restored.tier',
             ),
@@ -852,7 +852,7 @@ MUTATIONS = [
         "a worker restored after a soften trains with the checkpoint's LR scale, clip and b2, not runbook.json's",
         (
             (
-                "trainer/core/loop.py",
+                "trainer/train/loop.py",
                 "st = optim.set_hyperparams(st, w.hyperparams)  # runbook.json wins",
                 "pass  # runbook.json wins",
             ),
@@ -886,7 +886,7 @@ MUTATIONS = [
         "the group acts on a flag only when every process that published raised it (AND, not OR)",
         (
             (
-                "trainer/core/agree.py",
+                "trainer/parallel/agree.py",
                 'verdict = "".join("1" if any(v[i] == "1" for v in seen)',
                 'verdict = "".join("1" if all(v[i] == "1" for v in seen)',
             ),
@@ -900,7 +900,7 @@ MUTATIONS = [
         "preempted: the group's preemption reads as a finished run",
         (
             (
-                "trainer/core/loop.py",
+                "trainer/train/loop.py",
                 "    flags.stop |= shared.stop  # a peer's SIGTERM stops this process too",
                 "    pass  # a peer's SIGTERM stops this process too",
             ),
@@ -922,7 +922,7 @@ MUTATIONS = [
         "each microbatch's gradient is rounded to bf16 before it is accumulated (not fp32 accumulation)",
         (
             (
-                "trainer/core/step.py",
+                "trainer/train/step.py",
                 "jax.tree.map(jnp.add, acc[1], g)",
                 "jax.tree.map(lambda a, b: a + b.astype(jnp.bfloat16).astype(a.dtype), acc[1], g)",
             ),
@@ -1087,7 +1087,7 @@ MUTATIONS = [
         "the restore phase reports step 0 whatever it reads: a restore-phase fault armed past 0 never fires",
         (
             (
-                "trainer/core/loop.py",
+                "trainer/train/loop.py",
                 '_enter(w, "restore", _newest_durable(w))',
                 '_enter(w, "restore", 0)',
             ),
@@ -1098,7 +1098,7 @@ MUTATIONS = [
     M(
         "startup_phase_at_step_0",
         "the start-up phase reports step 0 on every start: a startup-phase fault armed past 0 never fires",
-        (("trainer/core/loop.py", '_enter(w, "startup", _newest_durable(w))', '_enter(w, "startup", 0)'),),
+        (("trainer/train/loop.py", '_enter(w, "startup", _newest_durable(w))', '_enter(w, "startup", 0)'),),
         ("tests/test_drill.py::test_startup_and_restore_hangs_wait_for_a_restart_from_their_step",),
         catch='assert [(f["kind"], f["phase"]) for f in fired] == [',
     ),
@@ -1134,7 +1134,7 @@ MUTATIONS = [
         "processes other than 0 write no TensorBoard: another host's health and alerts are only in the events",
         (
             (
-                "trainer/core/worker.py",
+                "trainer/train/worker.py",
                 "            enabled=cfg.log.tensorboard and cfg.log.health,",
                 "            enabled=False,",
             ),
@@ -1200,7 +1200,7 @@ MUTATIONS = [
         "the corrupt fault hits the newest durable checkpoint even where a newer local one is what the restart reads",
         (
             (
-                "trainer/supervise/faults.py",
+                "trainer/faults/injector.py",
                 "corrupt.newest(self._run_dir, f.how, local)",
                 "corrupt.newest(self._run_dir, f.how)",
             ),
@@ -1224,7 +1224,7 @@ MUTATIONS = [
     M(
         "disk_full_never_injected",
         "the disk_full fault is recorded but the save it names goes through",
-        (("trainer/core/loop.py", "        w.ckpt.durable.inject = OSError(", "        _ = OSError("),),
+        (("trainer/train/loop.py", "        w.ckpt.durable.inject = OSError(", "        _ = OSError("),),
         ("tests/test_drill.py::test_a_disk_full_fault_fails_its_save_and_the_run_restarts_when_there_is_room",),
         catch="[failed] = [e for e in evs",
     ),
@@ -1260,7 +1260,7 @@ MUTATIONS = [
         "a SIGTERM in the last step exits PREEMPTED though the run is done: the job is requeued for nothing",
         (
             (
-                "trainer/core/endings.py",
+                "trainer/train/endings.py",
                 "    if step < w.cfg.train.steps:  # ended early",
                 "    if step < w.cfg.train.steps or flags.stop:  # ended early",
             ),
@@ -1286,7 +1286,7 @@ MUTATIONS = [
         "the sliced loss's backward multiplies the fp32 d logits (the head's two backward matmuls run in fp32)",
         (
             (
-                "trainer/core/loss.py",
+                "trainer/model/loss.py",
                 "dlogits_BCV = nn.with_logical_constraint(dlogits_BCV.astype(dt), LOGITS)",
                 "dlogits_BCV = nn.with_logical_constraint(dlogits_BCV, LOGITS)",
             ),
@@ -1299,7 +1299,7 @@ MUTATIONS = [
         "the head's gradient keeps only the last slice's share instead of summing every slice's",
         (
             (
-                "trainer/core/loss.py",
+                "trainer/model/loss.py",
                 "nn.with_logical_constraint(dhead_SDV + d_SDV, per_shard)",
                 "nn.with_logical_constraint(0 * dhead_SDV + d_SDV, per_shard)",
             ),
@@ -1317,7 +1317,7 @@ MUTATIONS = [
     M(
         "skip_list_off_by_one",
         "a step whose batch index equals a skipped batch reads it anyway (the cursor passes skips only below it)",
-        (("trainer/core/data.py", "        if s <= b:\n            b += 1", "        if s < b:\n            b += 1"),),
+        (("trainer/train/data.py", "        if s <= b:\n            b += 1", "        if s < b:\n            b += 1"),),
         ("tests/test_data.py::test_skips_advance_the_cursor_past_the_listed_batches",),
         catch="assert [batch_index(k, [2, 3]) for k in range(5)] == [0, 1, 4, 5, 6]",
     ),
@@ -1326,7 +1326,7 @@ MUTATIONS = [
         "each process takes every P-th eval row instead of its contiguous block (unlike the training rows)",
         (
             (
-                "trainer/core/data.py",
+                "trainer/train/data.py",
                 "rows = picks.reshape(batches, global_batch)[:, process * per : (process + 1) * per]",
                 "rows = picks.reshape(batches, global_batch)[:, process::processes]",
             ),
@@ -1339,7 +1339,7 @@ MUTATIONS = [
         "uneven nodes pair a process with one on its own node: its fast-tier copy dies with it",
         (
             (
-                "trainer/core/buddy.py",
+                "trainer/ckpt/buddy.py",
                 "    if any(nodes[i] == nodes[to[i]] for i in range(len(nodes))):\n        return None\n",
                 "",
             ),
@@ -1352,7 +1352,7 @@ MUTATIONS = [
         "a bfloat16 param is fingerprinted by its values cast to integers, not its bits: a low flipped bit is unseen",
         (
             (
-                "trainer/core/replicas.py",
+                "trainer/train/replicas.py",
                 "else jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)",
                 "else x.astype(jnp.uint32)",
             ),
@@ -1365,7 +1365,7 @@ MUTATIONS = [
         "a mismatch names every data replica of the shard, not the odd one out (the runbook blames every node)",
         (
             (
-                "trainer/core/replicas.py",
+                "trainer/train/replicas.py",
                 '"replicas": sorted({self.coords[d]["data"] for d in odd}),',
                 '"replicas": sorted({self.coords[d]["data"] for d in devs}),',
             ),
@@ -1376,14 +1376,14 @@ MUTATIONS = [
     M(
         "init_ignores_the_seed",
         "the state is initialised from a fixed key: run.seed changes nothing",
-        (("trainer/core/state.py", "    key = jax.random.key(seed)\n", "    key = jax.random.key(0)\n"),),
+        (("trainer/train/state.py", "    key = jax.random.key(seed)\n", "    key = jax.random.key(0)\n"),),
         ("tests/test_state.py::test_a_fresh_state_is_a_function_of_the_seed_and_matches_its_restore_target",),
         catch='state.params_sha256(a["params"]) != state.params_sha256(other["params"])',
     ),
     M(
         "weight_decay_on_positions",
         "weight decay reaches the positional table too (every param with an embed axis is decayed)",
-        (("trainer/core/optim.py", 'NO_DECAY_AXES = frozenset({"seq"})', "NO_DECAY_AXES = frozenset()"),),
+        (("trainer/train/optim.py", 'NO_DECAY_AXES = frozenset({"seq"})', "NO_DECAY_AXES = frozenset()"),),
         ("tests/test_model.py::test_weight_decay_reaches_the_same_matrices_scanned_or_unrolled[True-True]",),
         catch='assert decayed == (DECAYED if tie else DECAYED | {"lm_head"}), sorted(decayed)',
     ),
@@ -1392,7 +1392,7 @@ MUTATIONS = [
         "a SIGTERM while a spike is probed saves the frozen spike state (a stop overrides the hold)",
         (
             (
-                "trainer/core/save_policy.py",
+                "trainer/ckpt/save_policy.py",
                 "        if hold:\n            return None\n",
                 "        if hold and not stop:\n            return None\n",
             ),

@@ -11,7 +11,7 @@ import sys
 
 from conftest import ROOT, child_env
 
-from trainer.core import agree
+from trainer.parallel import agree
 from trainer.supervise.launcher import free_port
 
 SCRIPT = """
@@ -22,7 +22,7 @@ jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=me)
 import dataclasses
-from trainer.core.agree import Agreement, one_shot
+from trainer.parallel.agree import Agreement, one_shot
 @dataclasses.dataclass(frozen=True)
 class F:
     stop: bool = False

@@ -1,9 +1,9 @@
-"""Who holds whose fast-tier copy (trainer.core.buddy): pure functions, no processes. The transfers themselves
+"""Who holds whose fast-tier copy (trainer.ckpt.buddy): pure functions, no processes. The transfers themselves
 run for real in tests/test_integrity.py (two processes) and tests/test_node_loss.py (a three-node SLURM)."""
 
 from __future__ import annotations
 
-from trainer.core import buddy
+from trainer.ckpt import buddy
 
 
 def test_every_copy_goes_to_another_node_at_the_same_local_rank():

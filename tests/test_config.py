@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT, child_env, run_trainer, sets, trainer_cmd
 
 from trainer.config import ConfigError, load_config
-from trainer.core.model import GPT
+from trainer.model.model import GPT
 
 # Stated sizes (millions of parameters) of every shipped config.
 STATED = {

@@ -11,9 +11,9 @@ import pytest
 from conftest import ROOT, child_env
 
 from trainer.config import ConfigError, DataConfig
-from trainer.core.data import TokenWindows, batch_index, eval_windows, make_iterator, prepare
 from trainer.observe.audit import AuditLog
 from trainer.observe.audit import check as audit_check
+from trainer.train.data import TokenWindows, batch_index, eval_windows, make_iterator, prepare
 
 
 @pytest.fixture(scope="module")

@@ -189,8 +189,8 @@ def trainer_logits(run: Path, ids: list[int]) -> np.ndarray:
     """The trainer's own forward pass on the run's newest verified checkpoint, restored on one CPU device."""
     import jax
 
-    from trainer.core import weights
-    from trainer.core.model import GPT
+    from trainer.ckpt import weights
+    from trainer.model.model import GPT
     from trainer.observe import pick
 
     loaded = weights.on_cpu(pick.pick(run))
@@ -204,7 +204,7 @@ TEXT = b"window token a restore order window loss order epoch mesh shard loss sh
 
 
 def test_independent_gpt2_forward_matches_the_trainer_and_greedy_sample(exported):
-    from trainer.core.model import LN_EPS
+    from trainer.model.model import LN_EPS
 
     run, out = exported
     cfg, w = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
@@ -235,9 +235,9 @@ def test_sample_top_k_seed_and_an_empty_prompt(exported):
     """README's `sample` flags: `--prompt ""` starts from end-of-text; `--top-k 1` draws the greedy token at any
     temperature; `--seed` fixes the draws (the CLI's text is the one the same seed gives in this process, and
     another seed gives another)."""
-    from trainer.core import weights
-    from trainer.core.sample import generate
+    from trainer.ckpt import weights
     from trainer.observe import pick
+    from trainer.tools.sample import generate
 
     run, _ = exported
     loaded = weights.on_cpu(pick.pick(str(run), None))
@@ -265,8 +265,8 @@ def test_a_bias_free_model_exports_as_gpt2_with_zero_biases():
     import jax.numpy as jnp
 
     from trainer.config import ModelConfig
-    from trainer.core.hf import config_json, tensors
-    from trainer.core.model import GPT
+    from trainer.model.hf import config_json, tensors
+    from trainer.model.model import GPT
 
     cfg = ModelConfig(vocab_size=384, seq_len=32, d_model=64, n_layers=2, n_heads=4, bias=False)
     model = GPT(cfg)
@@ -309,9 +309,9 @@ def test_a_prepared_tokenizer_is_exported_and_sample_uses_it(bpe_export):
     assert got["prompt_ids"] == tok.encode("the data step").ids
     # Exactly the draws of seed 3 at the default temperature 0.8 (the same seed gives the same text in any
     # process), decoded by the prepared tokenizer.
-    from trainer.core import weights
-    from trainer.core.sample import generate
+    from trainer.ckpt import weights
     from trainer.observe import pick
+    from trainer.tools.sample import generate
 
     loaded = weights.on_cpu(pick.pick(str(run), None))
     want = generate(loaded, got["prompt_ids"], max_new_tokens=8, temperature=0.8, seed=3, eos_id=eos)
@@ -390,9 +390,11 @@ SHARDED_RESTORE = """
 import hashlib, json, sys
 from pathlib import Path
 from trainer.config import Config, MeshConfig
-from trainer.core import checkpoint, hf, optim, state, weights
-from trainer.core.mesh import make_mesh
-from trainer.core.model import GPT
+from trainer.ckpt import checkpoint, weights
+from trainer.model import hf
+from trainer.train import optim, state
+from trainer.parallel.mesh import make_mesh
+from trainer.model.model import GPT
 from trainer.yamltree import build
 
 out = {}
@@ -462,7 +464,7 @@ def test_export_verifies_first_a_damaged_checkpoint_is_skipped_or_refused(fine_t
 
 
 def test_init_from_a_finished_run_live_export_and_bitwise_resume(group, fine_tuned, tmp_path):
-    from trainer.core import weights
+    from trainer.ckpt import weights
 
     source, corpus = group
     first, old_last, fresh_first = step_losses(fine_tuned)[1][0], step_losses(source)[30][0], step_losses(source)[1][0]
@@ -521,10 +523,10 @@ def test_init_from_a_step_dir_takes_that_checkpoints_params(group):
     resolution a worker start makes (weights.init_source) and the params it then restores (init_params)."""
     import jax
 
+    from trainer.ckpt import weights
     from trainer.config import load_config
-    from trainer.core import weights
-    from trainer.core.state import params_sha256
     from trainer.observe import pick
+    from trainer.train.state import params_sha256
 
     source, corpus = group
     older = min(pick.steps(source))

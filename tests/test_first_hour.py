@@ -158,8 +158,8 @@ def test_a_run_records_its_attention_device_and_xla_flags(done):
     """Issue 47: every attempt's `compiled` event says which attention implementation its step runs
     (model.attention resolved for the backend), on which device and platform, under which XLA flags; the
     checkpoint's metadata keeps the same; `status` (and so the report) shows it."""
+    from trainer.ckpt import tiers
     from trainer.config import load_config
-    from trainer.core import tiers
 
     run = done[0]
     (c,) = [e for e in events(run) if e["event"] == "compiled"]

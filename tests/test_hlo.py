@@ -1,4 +1,4 @@
-"""trainer.core.hlo on XLA:GPU's optimized HLO, where matmuls are library calls, not dots: cuBLAS custom calls
+"""trainer.tools.hlo on XLA:GPU's optimized HLO, where matmuls are library calls, not dots: cuBLAS custom calls
 count as matmuls with their operand dtypes and FLOPs (loop bodies by their trip count), cuDNN's fused
 attention is counted apart, and `inspect`'s vocabulary check finds the LM head's matmuls among them; on
 XLA:CPU's, a bf16 dot that the compiler itself upcast to f32 reads bf16, one the program upcast reads f32.
@@ -6,8 +6,8 @@ Pure text: no compile, no jax."""
 
 from __future__ import annotations
 
-from trainer.core import hlo
-from trainer.core.inspect import vocab_matmuls
+from trainer.tools import hlo
+from trainer.tools.inspect import vocab_matmuls
 
 # Written in the form `compiled.as_text()` prints on a GPU (jax issue #33004's printout, XLA's
 # gemm_rewrite and cuDNN fused-attention tests): a tuple result (product, cuBLAS workspace), the

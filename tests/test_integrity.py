@@ -20,9 +20,11 @@ import pytest
 from conftest import ROOT, child_env, events, run_trainer, step_losses, summary, trainer_cmd
 from test_layout import _cli
 
-from trainer.observe import checkpoint_files, manifest
-from trainer.observe.checkpoint_files import DURABLE, LOCAL
-from trainer.supervise import corrupt, exit_codes
+from trainer.ckpt import files as checkpoint_files
+from trainer.ckpt import manifest
+from trainer.ckpt.files import DURABLE, LOCAL
+from trainer.faults import corrupt
+from trainer.supervise import exit_codes
 
 
 def _same_as(run: Path, ref: Path, unlogged: tuple[int, ...] = ()) -> None:
@@ -98,8 +100,8 @@ def test_a_bad_newest_checkpoint_is_rejected_and_the_previous_one_used(tmp_path,
 def test_retention_keeps_the_newest_sealed_checkpoint_until_a_newer_one_is_sealed(tmp_path):
     import jax.numpy as jnp
 
+    from trainer.ckpt.checkpoint import Checkpointer
     from trainer.config import CheckpointConfig
-    from trainer.core.checkpoint import Checkpointer
 
     cfg = CheckpointConfig(keep_latest=1)
     state = {"w": jnp.arange(64.0)}
@@ -124,7 +126,7 @@ def test_retention_keeps_the_newest_sealed_checkpoint_until_a_newer_one_is_seale
 def test_possibly_transient_read_errors_are_retried_and_others_are_not():
     """3 retries after 1, 2 and 4 s (README). The waits are timed around real sleeps, from below only (a sleep
     never ends early; a loaded machine only lengthens it), so no bound here can flake."""
-    from trainer.core import tiers
+    from trainer.ckpt import tiers
 
     calls: list[float] = []
 

@@ -1,4 +1,4 @@
-"""trainer.core.layers: the forward of each hand-differentiated block is the one it replaces (flax's LayerNorm
+"""trainer.model.layers: the forward of each hand-differentiated block is the one it replaces (flax's LayerNorm
 bit for bit; jax.nn.gelu evaluated in fp32; jax.nn.dot_product_attention up to the order of its sums), its
 gradient is the autodiff gradient of that one, and its backward keeps what layers.py says: no fp32 copy of
 the activations or of the probabilities, and no probabilities above the causal diagonal blocks."""
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from trainer.config import ModelConfig
-from trainer.core.layers import causal_attention, gelu, layer_norm, rms_norm
-from trainer.core.model import GPT, LN_EPS
+from trainer.model.layers import causal_attention, gelu, layer_norm, rms_norm
+from trainer.model.model import GPT, LN_EPS
 
 DTYPES = [jnp.float32, jnp.bfloat16]
 # gradient agreement, relative to the largest entry: fp32 to rounding; bf16 to a few of its ulps

@@ -17,7 +17,9 @@ from conftest import COMPILE_CACHE, ROOT, TINY, child_env, sets, summary
 import trainer
 
 BLOCKED = ("jax", "jaxlib", "flax", "optax", "orbax", "grain", "tensorstore")
-JAX_FREE_PACKAGES = ("supervise", "observe", "survival", "corpus", "drill")
+JAX_FREE_PACKAGES = ("supervise", "observe", "survival", "corpus", "drill", "faults")
+# jax-free modules inside a jax-side package: the checkpoint files as the supervisor, status and audit read them
+JAX_FREE_MODULES = ("trainer.ckpt", "trainer.ckpt.files", "trainer.ckpt.manifest")
 # Importing a blocked package raises at once, wherever the import statement sits (a lazy one too).
 BLOCKER = f"""
 import importlib.abc, sys
@@ -51,7 +53,7 @@ def jax_free_modules() -> list[str]:
     for pkg in JAX_FREE_PACKAGES:
         path = [str(Path(trainer.__file__).parent / pkg)]
         names += [f"trainer.{pkg}"] + [f"trainer.{pkg}.{m.name}" for m in pkgutil.iter_modules(path)]
-    return names
+    return names + list(JAX_FREE_MODULES)
 
 
 def test_every_jax_free_module_imports_without_jax():
@@ -62,7 +64,7 @@ def test_every_jax_free_module_imports_without_jax():
 
 
 def test_the_blocker_blocks():
-    out = _jax_free("import trainer.core.model")
+    out = _jax_free("import trainer.model.model")
     assert out.returncode != 0 and "jax-free code imported it" in out.stderr
 
 
@@ -123,21 +125,31 @@ RANK = {
     "yamltree": 0,  # the YAML parser under config
     "config_rules": 0.5,  # the rules a built config must satisfy (config's sections only for type checking)
     "config": 1,  # imports yamltree and nothing else of the project
+    "observe.rundir": 1.2,  # the run dir's names and its atomic writes, under everything that writes there
+    "ckpt.manifest": 1.4,  # checkpoints' content manifests: jax-free, read by observe
+    "ckpt.files": 1.5,  # checkpoints as files (where each tier lives, which steps are committed): jax-free
     "observe": 2,  # the run dir's files, their writers and readers
     "xla_env": 2.5,  # every XLA flag and GPU variable the trainer sets (observe's env_vars names them): jax-free
     "corpus": 3,
     "supervise": 3,
     "survival": 3,
+    "faults": 3,  # the built-in faults, fired inside the worker: jax-free
     "drill": 3.5,  # runs the trainer under faults (supervise, survival, observe): jax-free too
-    "core": 4,  # the jax side
+    # the jax side, the worker process: each package stands on those before it
+    "parallel": 4,  # the mesh, jax.distributed, the group's agreement
+    "model": 4.1,
+    "ckpt": 4.2,  # saving and restoring the train state (files and manifests above are jax-free)
+    "train": 4.3,  # the worker: state, step, data, loop
+    "tools": 4.4,  # inspect, export, sample
     "__main__": 5,  # the CLI
 }
 
 
 def _unit(dotted: str) -> str:
-    """The wall's unit of a trainer module: its package under trainer/, or its top-level module's name."""
+    """The wall's unit of a trainer module: its package under trainer/, or its top-level module's name, or
+    the module itself where RANK names it (a jax-free module in a jax-side package)."""
     parts = dotted.split(".")
-    return "__init__" if len(parts) == 1 else parts[1]
+    return "__init__" if len(parts) == 1 else ".".join(parts[1:3]) if ".".join(parts[1:3]) in RANK else parts[1]
 
 
 def _imported(module: str, is_package: bool, tree: ast.AST) -> list[tuple[ast.stmt, str]]:
@@ -158,8 +170,9 @@ def _imported(module: str, is_package: bool, tree: ast.AST) -> list[tuple[ast.st
         elif isinstance(node, ast.ImportFrom):
             base = module.split(".")[: len(module.split(".")) - node.level + is_package] if node.level else []
             frm = ".".join(base + ([node.module] if node.module else []))
-            # `from trainer import config` imports trainer.config; `from trainer.observe import rundir` the package
-            out += [(node, f"{frm}.{a.name}") for a in node.names] if frm == "trainer" else [(node, frm)]
+            # `from trainer import config` imports trainer.config, `from trainer.ckpt import files` trainer.ckpt.files
+            package = frm == "trainer" or frm.count(".") == 1 and frm.startswith("trainer.")
+            out += [(node, f"{frm}.{a.name}") for a in node.names] if package else [(node, frm)]
     return [(node, m) for node, m in out if m == "trainer" or m.startswith("trainer.")]
 
 

@@ -1,4 +1,4 @@
-"""The LM head + cross-entropy over slices of the sequence (trainer.core.loss): the same loss and gradients as
+"""The LM head + cross-entropy over slices of the sequence (trainer.model.loss): the same loss and gradients as
 autodiff of the whole logits, bf16 operands in every matmul with the vocabulary (XLA's compiled HLO), and
 temporaries below one fp32 copy of the logits."""
 
@@ -13,9 +13,9 @@ import optax
 import pytest
 
 from trainer.config import ModelConfig
-from trainer.core import hlo
-from trainer.core import loss as loss_lib
-from trainer.core.model import GPT
+from trainer.model import loss as loss_lib
+from trainer.model.model import GPT
+from trainer.tools import hlo
 
 
 def _model(dt: str, vocab: int = 384, chunk: int = 0, seq: int = 32) -> GPT:

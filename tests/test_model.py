@@ -16,9 +16,9 @@ import optax
 import pytest
 
 from trainer.config import ModelConfig, OptimConfig
-from trainer.core.layers import add_bias
-from trainer.core.model import GPT, REMAT_POLICIES, attention_flops_per_token, flops_per_token
-from trainer.core.optim import make_optimizer
+from trainer.model.layers import add_bias
+from trainer.model.model import GPT, REMAT_POLICIES, attention_flops_per_token, flops_per_token
+from trainer.train.optim import make_optimizer
 
 CFG = ModelConfig(vocab_size=384, seq_len=32, d_model=64, n_layers=2, n_heads=4)
 
@@ -247,7 +247,7 @@ def test_llama_param_tree_is_the_documented_one_and_mha_fuses_qkv():
 def test_llama_is_causal_and_rotary_scores_depend_on_relative_position_only():
     """The rotation is the only position signal: position 0 is unrotated, and a rotated q . k depends on the
     distance between the two positions, not where the pair sits."""
-    from trainer.core.model import rotary
+    from trainer.model.model import rotary
 
     model, params = _init(LLAMA)
     tokens = jax.random.randint(jax.random.key(1), (2, L), 0, 256)

@@ -19,9 +19,9 @@ from multihost import ONE, TWO, at_step, audit, group_overrides, heartbeat, refe
 
 from trainer.__main__ import PEER_DEATH_GRACE_S
 from trainer.config import ConfigError, DataConfig, LaunchConfig, load_config
-from trainer.core import data
 from trainer.observe import audit as audit_lib
 from trainer.supervise import exit_codes, launcher, membership, nodes
+from trainer.train import data
 
 
 @pytest.fixture(scope="module")
@@ -498,7 +498,7 @@ def test_a_worker_failing_at_start_up_is_torn_down_and_restarted_in_seconds(star
     startup_s = fired - start1["time"]
     teardown_s, restart_s = exit1["time"] - fired, start2["time"] - fired
     assert teardown_s < startup_s and restart_s - teardown_s < startup_s, (startup_s, teardown_s, restart_s)
-    assert "0: trainer.supervise.faults.InjectedStartupError: injected fault" in stderr
+    assert "0: trainer.faults.injector.InjectedStartupError: injected fault" in stderr
     # stopped at train.stop_at_step (the worker's event, then the supervisor's), after one restart
     stopped = [(e["step"], e.get("by")) for e in evs if e["event"] == "stopped"]
     assert stopped == [(12, None), (12, "supervisor")] and summary(run)["restarts"] == 1, stopped

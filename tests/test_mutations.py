@@ -38,6 +38,20 @@ def test_the_static_check_finds_a_renamed_test_a_moved_anchor_and_a_missing_catc
     assert asked == [good.tests[0].split("::")[0]]
 
 
+def test_an_anchor_follows_its_code_to_another_module():
+    """A module moved or renamed: the edit names the old path, the harness finds the one module under trainer/
+    that holds the text; text held by two modules is not guessed."""
+    good = MUTATIONS[0]
+    file, old, new = good.edits[0]
+    moved = Mutation("moved_file", "", (("trainer/no_such_dir/old_name.py", old, new),), good.tests, good.catch)
+    assert mutate.edited_files(moved, mutate.ROOT) == [file]
+    assert mutate.problems([moved]) == []
+    common = "from __future__ import annotations"
+    vague = Mutation("vague", "", (("trainer/no_such_dir/old_name.py", common, common + "  "),), good.tests, good.catch)
+    assert mutate.edited_files(vague, mutate.ROOT) == ["trainer/no_such_dir/old_name.py"]
+    assert any(p.startswith("vague: ") for p in mutate.problems([vague]))
+
+
 _CASES = {  # test body -> does it fail at its designed assertion (a statement containing "designed")?
     "x = 3\n    assert x == 2, 'designed'": True,
     "assert lookup(3) == 2, 'designed'": False,  # a KeyError at the designed line

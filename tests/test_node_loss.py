@@ -157,7 +157,7 @@ def test_a_frozen_node_is_blamed_the_job_shrinks_and_regrows_when_it_is_trusted_
     import jax
     import numpy as np
 
-    from trainer.core import weights
+    from trainer.ckpt import weights
     from trainer.observe import pick
 
     _require_slurm()

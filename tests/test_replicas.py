@@ -1,4 +1,4 @@
-"""The replica check (trainer.core.replicas) on its own, in one process of 8 CPU devices (a mesh of 4 data
+"""The replica check (trainer.train.replicas) on its own, in one process of 8 CPU devices (a mesh of 4 data
 replicas x 2 fsdp shards): it passes equal copies, and of four copies of which one had a bit flipped it names
 that one, its data replica and its param, for a float32 and for a bfloat16 param. The end-to-end run (a flip
 caught and rewound) is tests/test_integrity.py."""
@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from trainer.config import MeshConfig
-from trainer.core import replicas
-from trainer.core.mesh import make_mesh
+from trainer.train import replicas
+from trainer.parallel.mesh import make_mesh
 
 mesh = make_mesh(MeshConfig(data=4, fsdp=2, tensor=1))
 params = {

@@ -10,10 +10,10 @@ import pytest
 from conftest import MICRO, TINY, events, run_trainer, snapshot, step_losses, summary
 
 from trainer.config import MeshConfig, load_config
-from trainer.core import optim
-from trainer.core.mesh import make_mesh
-from trainer.core.step import lower_train_step
-from trainer.core.worker import stack_changes, state_spec, versions
+from trainer.parallel.mesh import make_mesh
+from trainer.train import optim
+from trainer.train.step import lower_train_step
+from trainer.train.worker import stack_changes, state_spec, versions
 
 pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -m 'not slow')
 

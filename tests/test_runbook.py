@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from trainer.config import Config, ConfigError, Fault, RunbookConfig, load_config
-from trainer.core.data import batch_index
+from trainer.faults.injector import FaultInjector
 from trainer.observe import events, spikes
 from trainer.supervise import runbook
-from trainer.supervise.faults import FaultInjector
+from trainer.train.data import batch_index
 
 DATA = Path(__file__).parent / "data"
 
@@ -289,7 +289,7 @@ def test_respond_softens_on_recurrence_and_gives_up_saying_what_it_tried(tmp_pat
     soften = next(e for e in written if e["event"] == "soften")
     assert soften["lr_scale"] == 0.5 and soften["clip_norm"] == 0.5 and soften["peak_lr"] == cfg.optim.lr / 2
     # What every later worker start reads back and sets in the optimizer state it restored or initialised
-    # (trainer.core.loop), and the config it records.
+    # (trainer.train.loop), and the config it records.
     hyperparams = runbook.RunbookState.load(run, cfg.optim).hyperparams()
     assert hyperparams == {"lr_scale": 0.5, "clip_norm": 0.5, "b2": 0.9}, hyperparams
     softened = runbook.softened_config(cfg, runbook.RunbookState.load(run, cfg.optim))
@@ -368,7 +368,7 @@ def test_a_fault_fires_on_its_own_process_and_no_process_drops_another_ones_reco
 
 
 def _mismatch(run: Path, odd_processes: list[int], replicas: int) -> None:
-    """What a worker writes when a replica check fails (the shape trainer.core.replicas.check returns)."""
+    """What a worker writes when a replica check fails (the shape trainer.train.replicas.check returns)."""
     devices = [
         {
             "device": 2048 * r,

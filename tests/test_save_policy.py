@@ -1,4 +1,4 @@
-"""When to save (trainer.core.save_policy): steps, minutes, "auto" minutes derived from the measured stall,
+"""When to save (trainer.ckpt.save_policy): steps, minutes, "auto" minutes derived from the measured stall,
 the local tier's schedule, and which reason wins at one step. The clock is injected: no test sleeps."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import types
 import pytest
 from conftest import events, run_trainer
 
+from trainer.ckpt.save_policy import AUTO_PRIOR_BLOCKING_S, Requests, Save, SavePolicy
 from trainer.config import CheckpointConfig, ConfigError, load_config
-from trainer.core.save_policy import AUTO_PRIOR_BLOCKING_S, Requests, Save, SavePolicy
 from trainer.survival.model import recommend_interval_min
 
 
@@ -127,11 +127,13 @@ def test_auto_saves_periodically_in_a_real_run_priced_with_its_own_startup(tmp_p
 
 
 def test_the_loop_asks_the_time_cadence_at_every_step(tmp_path):
-    """The loop's per-step save decision (trainer.core.loop._agree, on a real checkpoint tier and agreement)
+    """The loop's per-step save decision (trainer.train.loop._agree, on a real checkpoint tier and agreement)
     consults the clock: every_minutes=1 with no step schedule saves at the first step a minute after the
     start or the last save, at no step before, whatever the step number."""
-    from trainer.core import agree, loop, tiers
-    from trainer.core.flags import Flags, Shared
+    from trainer.ckpt import tiers
+    from trainer.parallel import agree
+    from trainer.train import loop
+    from trainer.train.flags import Flags, Shared
 
     clock = Clock()
     cfg = CheckpointConfig(every_steps=0, every_minutes=1)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TINY, child_env, sets
 
-from trainer.core import hlo
+from trainer.tools import hlo
 
 MESHES = {
     "data8": ["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"],
@@ -72,7 +72,7 @@ def test_the_models_logical_constraints_take_effect_under_the_mesh():
     import numpy as np
     from jax.sharding import Mesh
 
-    from trainer.core.mesh import AXES, active
+    from trainer.parallel.mesh import AXES, active
 
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), AXES)
     with active(mesh):
@@ -124,7 +124,7 @@ ONE_DEVICE = ["mesh.cpu_devices=1", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1
 
 
 def test_inspect_mfu_ceiling_counts_useful_flops_and_cannot_pass_100_percent():
-    from trainer.core.inspect import render
+    from trainer.tools.inspect import render
 
     cmd = [sys.executable, "-m", "trainer", "inspect", "--config", TINY, *sets(*LONG, *ONE_DEVICE), "--gpu", "H200"]
     p = subprocess.run([*cmd, "--json"], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
@@ -160,7 +160,7 @@ def test_kv_heads_shard_over_tensor_where_they_divide_else_replicate(kv, tensor,
     from jax.sharding import AbstractMesh, PartitionSpec
 
     from trainer.config import ModelConfig
-    from trainer.core.mesh import AXES, kv_replicated, rules
+    from trainer.parallel.mesh import AXES, kv_replicated, rules
 
     mesh = AbstractMesh((1, 1, tensor), AXES)
     cfg = ModelConfig(arch="llama", n_heads=8, n_kv_heads=kv, d_model=128)

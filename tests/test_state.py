@@ -1,4 +1,4 @@
-"""The train state (trainer.core.state) as the worker builds it: a fresh state is a function of run.seed (the
+"""The train state (trainer.train.state) as the worker builds it: a fresh state is a function of run.seed (the
 params and the dropout key both), starts at step 0, and matches the abstract state restores are read into."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import jax
 import numpy as np
 
 from trainer.config import MeshConfig, ModelConfig, OptimConfig
-from trainer.core import state
-from trainer.core.mesh import make_mesh
-from trainer.core.model import GPT
-from trainer.core.optim import make_optimizer
+from trainer.model.model import GPT
+from trainer.parallel.mesh import make_mesh
+from trainer.train import state
+from trainer.train.optim import make_optimizer
 
 CFG = ModelConfig(vocab_size=128, seq_len=16, d_model=32, n_layers=1, n_heads=2)
 

@@ -264,7 +264,7 @@ def test_the_hog_fault_burns_cpu_in_a_thread_for_its_steps_and_fires_once(tmp_pa
     import time
 
     from trainer.config import Fault
-    from trainer.supervise.faults import FaultInjector
+    from trainer.faults.injector import FaultInjector
 
     def hogs() -> int:
         return sum(t.name == "hog" and t.is_alive() for t in threading.enumerate())

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.observe import checkpoint_files, manifest
-from trainer.observe.checkpoint_files import DURABLE, LOCAL
+from trainer.ckpt import files as checkpoint_files
+from trainer.ckpt import manifest
+from trainer.ckpt.files import DURABLE, LOCAL
 
 MESH = {"data": 2, "fsdp": 2, "tensor": 2}  # a local copy records the mesh it was saved under; compared as is
 
 
 def tiers(run: Path, local: Path | None = None, *, rewinds=(), verify: bool = True, log: list | None = None):
     """A run's Tiers as the worker makes them (one per attempt); `log` collects the events."""
+    from trainer.ckpt.tiers import Tiers
     from trainer.config import CheckpointConfig
-    from trainer.core.tiers import Tiers
 
     cfg = CheckpointConfig(local_dir=str(local or ""), verify=verify)
     write = (lambda name, **fields: log.append(dict(fields, event=name))) if log is not None else lambda *a, **k: None

@@ -27,9 +27,9 @@ SUBCOMMANDS = {  # name: (module, one line for --help)
     "survival": ("trainer.survival.cli", "run-survival simulator: price the checkpoint interval"),
     "drill": ("trainer.drill.cli", "fire drill: a config under a seeded schedule of faults, checked end to end"),
     "checkpoints": ("trainer.observe.checkpoints", "list a run's checkpoints (both tiers); --verify re-checks them"),
-    "inspect": ("trainer.core.inspect", "compile a config's step without training: bytes, collectives, FLOPs"),
-    "export": ("trainer.core.export", "a checkpoint as a Hugging Face GPT-2 model dir (config.json, safetensors)"),
-    "sample": ("trainer.core.sample", "generate text from a run's checkpoint (greedy at --temperature 0)"),
+    "inspect": ("trainer.tools.inspect", "compile a config's step without training: bytes, collectives, FLOPs"),
+    "export": ("trainer.tools.export", "a checkpoint as a Hugging Face GPT-2 model dir (config.json, safetensors)"),
+    "sample": ("trainer.tools.sample", "generate text from a run's checkpoint (greedy at --temperature 0)"),
 }
 COMMANDS_HELP = (
     "commands:\n"
@@ -87,10 +87,10 @@ def configure_devices(cfg: Config) -> None:
 
 def run_worker(cfg: Config) -> int:
     configure_devices(cfg)
-    from trainer.core import distributed
+    from trainer.parallel import distributed
 
     me = distributed.initialize(cfg.launch, cpu=bool(cfg.mesh.cpu_devices))
-    from trainer.core import loop
+    from trainer.train import loop
 
     if me.processes <= 1:
         return loop.run(cfg)

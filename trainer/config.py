@@ -37,7 +37,7 @@ class MeshConfig:
     cpu_devices: int = 0  # >0: force this many fake CPU devices per process (test mode)
 
 
-# model.arch -> the parts that family implies, for each model key its YAML leaves unset (trainer.core.model).
+# model.arch -> the parts that family implies, for each model key its YAML leaves unset (trainer.model.model).
 ARCH_DEFAULTS = {  # gpt2: the ModelConfig defaults below are GPT-2's
     "gpt2": {},
     "llama": dict(position="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False),
@@ -146,7 +146,7 @@ class IntegrityConfig:
 
 @dataclass
 class Fault:
-    kind: str  # one of FAULT_KINDS (crash, hang, slow, node, ...): what fires; trainer.supervise.faults says how
+    kind: str  # one of FAULT_KINDS (crash, hang, slow, node, ...): what fires; trainer.faults.injector says how
     step: int  # startup: ignored (it fires while the worker starts, before any step)
     # slow: extra seconds per step; hog: its CPU burst per step (0: all the time); slow_save: extra seconds to
     # commit the durable save

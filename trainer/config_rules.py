@@ -13,7 +13,7 @@ from trainer.yamltree import ConfigError
 if TYPE_CHECKING:
     from trainer.config import Config, Fault, LaunchConfig, RunbookConfig, StragglerConfig
 
-REMAT = ("none", "full", "save_dots", "save_attention")  # model.remat's policies (trainer.core.model)
+REMAT = ("none", "full", "save_dots", "save_attention")  # model.remat's policies (trainer.model.model)
 
 MODEL_CHOICES = {
     "position": ("learned", "rope"),
@@ -23,11 +23,11 @@ MODEL_CHOICES = {
     "attention": ("auto", "xla", "xla_remat", "cudnn"),
 }
 
-# faults[].kind and faults[].phase (where hang and slow fire); trainer.supervise.faults fires them
+# faults[].kind and faults[].phase (where hang and slow fire); trainer.faults.injector fires them
 FAULT_KINDS = tuple(
     "crash hang crash_mid_save slow hog slow_save signal ecc nan spike bitflip startup node corrupt disk_full".split()
 )
-CORRUPT_HOW = ("flip", "truncate", "torn")  # faults[].how for corrupt (trainer.supervise.corrupt)
+CORRUPT_HOW = ("flip", "truncate", "torn")  # faults[].how for corrupt (trainer.faults.corrupt)
 FAULT_PHASES = ("step", "startup", "restore", "compile", "checkpoint", "eval")
 
 

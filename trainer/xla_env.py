@@ -2,7 +2,7 @@
 with the reason beside it, each behind a typed config key (`run.*`). `apply` runs in every worker before jax
 initialises its backends (trainer.__main__.configure_devices): XLA reads XLA_FLAGS once per process, when the
 first compile options are built, and jax reads its client variables when the GPU client starts. `in_force` is
-what a run records of them (its `compiled` event: trainer.core.loop).
+what a run records of them (its `compiled` event: trainer.train.loop).
 
 A flag already in XLA_FLAGS stays: the user's own flags come first and are never dropped; ours are appended
 once (a worker restarted in the same environment adds nothing). A key left at its default sets nothing, so

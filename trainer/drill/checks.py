@@ -11,9 +11,10 @@ import dataclasses
 import os
 from pathlib import Path
 
+from trainer.ckpt import files as checkpoint_files
 from trainer.config import Config
 from trainer.drill.plan import AFTER_RESTART, KINDS, MIN_FAULTS, MIN_KINDS, RESTARTS, Planned
-from trainer.observe import audit, checkpoint_files, rundir
+from trainer.observe import audit, rundir
 from trainer.observe.event_names import (
     ALERT,
     ALERT_CLEARED,
@@ -235,7 +236,7 @@ def setup(cfg: Config, evs: list[dict], rows: list[dict], run_dir: Path) -> list
             f"fast tier on the same disk as durable ({ck.local_dir} and {run_dir}): a node loss loses both; "
             "put checkpoint.local_dir on the node's own RAM disk or NVMe"
         )
-    # (a disk_full fault's failure is the drill's own: trainer.core.loop says "injected" in its message)
+    # (a disk_full fault's failure is the drill's own: trainer.train.loop says "injected" in its message)
     failed = [e for e in evs if e["event"] == CHECKPOINT_FAILED and "(injected" not in e.get("message", "")]
     if failed:
         out.append(

@@ -127,7 +127,7 @@ def reference(cfg: Config, work: Path, *, limit_s: float) -> dict:
 
 
 def fired(run_dir: Path) -> list[dict]:
-    """The faults the workers fired, as they logged them (trainer.supervise.faults)."""
+    """The faults the workers fired, as they logged them (trainer.faults.injector)."""
     path = run_dir / rundir.FAULT_LOG
     if not path.is_file():
         return []

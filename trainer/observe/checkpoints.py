@@ -15,8 +15,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from trainer.ckpt import files as checkpoint_files
+from trainer.ckpt import manifest
 from trainer.config import ConfigError
-from trainer.observe import checkpoint_files, manifest, runview
+from trainer.observe import runview
 from trainer.observe.progress import fmt_duration
 
 

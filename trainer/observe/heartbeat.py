@@ -61,7 +61,7 @@ class Heartbeat:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.data = data  # the fingerprint of the data this process reads: every process's is on record
         self.node = node_name(process)
-        self.timing: list[dict] | None = None  # clean-step timing marks (trainer.core.step_log): the straggler watch
+        self.timing: list[dict] | None = None  # clean-step timing marks (trainer.train.step_log): the straggler watch
         self._pulse = pulse_path(run_dir, process)
         threading.Thread(target=self._pulse_forever, name="pulse", daemon=True).start()
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from trainer.ckpt import files as checkpoint_files
 from trainer.config import FROZEN_KEYS, Config, ConfigError, to_dict
-from trainer.observe import checkpoint_files, goodput, rundir, runview
+from trainer.observe import goodput, rundir, runview
 from trainer.observe.event_names import (
     ATTEMPT_STARTS,
     INIT,

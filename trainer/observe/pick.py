@@ -12,8 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainer.ckpt import files as checkpoint_files
+from trainer.ckpt import manifest
 from trainer.config import ConfigError
-from trainer.observe import checkpoint_files, manifest, runview
+from trainer.observe import runview
 from trainer.observe.event_names import SESSION_STARTS
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from trainer.config import ConfigError
 
-# Everything directly under a run dir (the checkpoint folders: trainer.observe.checkpoint_files).
+# Everything directly under a run dir (the checkpoint folders: trainer.ckpt.files).
 EVENTS = "events.jsonl"
 SUMMARY = "summary.json"
 CONFIG = "config.yaml"  # the resolved config

@@ -1,6 +1,6 @@
 """Process-group membership: who this process is (explicit settings, a SLURM step, or alone) and where
 its coordinator listens. No jax: the launcher and the workers use the same rules; joining the group is
-trainer.core.distributed.
+trainer.parallel.distributed.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def plan_nodes(
     """Nodes and process count for the next step. Spares replace suspect nodes so the mesh keeps its
     shape; with too few healthy nodes, shrink to a divisor of `processes` if min_processes allows;
     otherwise retry on suspect nodes too (a lost process is not a lost node). A shrunk group keeps the
-    global batch AND each device's batch: its workers (trainer.core.worker.elastic_microbatches) raise
+    global batch AND each device's batch: its workers (trainer.train.worker.elastic_microbatches) raise
     train.microbatches by processes / shrunk count, so memory per device does not grow."""
     need = processes // per_node
     healthy = [n for n in allocated if n not in suspects]

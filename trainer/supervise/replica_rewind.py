@@ -1,7 +1,7 @@
 """The supervisor's half of the replica check: when the worker exits REPLICA_MISMATCH (data-parallel copies
 of the params diverged: silent data corruption), move every durable checkpoint newer than the last step
 whose replicas agreed aside, like the runbook's rewind but skipping no data, and restart from the newest
-one left (the worker verifies its contents before using it). The worker's half: trainer.core.replicas.
+one left (the worker verifies its contents before using it). The worker's half: trainer.train.replicas.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from trainer.ckpt import files as checkpoint_files
 from trainer.config import Config, ConfigError, OptimConfig, RunbookConfig
-from trainer.observe import checkpoint_files, events, rundir
+from trainer.observe import events, rundir
 from trainer.observe.event_names import (
     REWIND,
     RUNBOOK_GAVE_UP,

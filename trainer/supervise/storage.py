@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from trainer.observe import checkpoint_files
+from trainer.ckpt import files as checkpoint_files
 from trainer.observe.alerts import ALERTS
 from trainer.observe.event_names import ALERT, ALERT_CLEARED
 

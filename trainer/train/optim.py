@@ -12,7 +12,7 @@ import numpy as np
 import optax
 
 from trainer.config import ModelConfig, OptimConfig
-from trainer.core.model import GPT, param_axes
+from trainer.model.model import GPT, param_axes
 
 # Weight decay goes to the matrices that multiply activations: the attention and MLP kernels and the token
 # embedding, which is also the LM head when tied (untied, lm_head and wte are both decayed, as GPT-2-style

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from trainer.core.mesh import AXES
+from trainer.parallel.mesh import AXES
 
 FLIP_BIT = 15  # a low mantissa bit of float32: the value moves by ~4e-3 relative, the loss does not notice
 

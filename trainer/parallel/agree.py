@@ -42,7 +42,7 @@ class Agreement:
         self._prev = [False] * self.n
         self._client = None
         if processes > 1:
-            from trainer.core.distributed import coordination_client
+            from trainer.parallel.distributed import coordination_client
 
             self._client = coordination_client()
 

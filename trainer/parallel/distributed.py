@@ -49,7 +49,7 @@ def allgather_json(obj, *, limit: int = 1 << 16) -> list:
 
 def coordination_client():
     """The jax.distributed coordination service's client (its key-value store carries the loop's agreed
-    flags, trainer.core.agree). jax keeps it in a private module: the one private jax name we use, checked
+    flags, trainer.parallel.agree). jax keeps it in a private module: the one private jax name we use, checked
     against jax 0.10.2; the public API exposes initialize/shutdown but not the client."""
     from jax._src.distributed import global_state
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.observe import checkpoint_files
+from trainer.ckpt import files as checkpoint_files
 
 
 def largest_file(directory: Path) -> Path:

@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trainer.ckpt import weights
 from trainer.config import ConfigError
-from trainer.core import weights
-from trainer.core.model import GPT
+from trainer.model.model import GPT
 from trainer.observe import pick
 
 

@@ -1,7 +1,7 @@
 """Building a worker: everything that can be wrong is checked before the first write to the run dir,
 then the parts the loop uses are built once (mesh, state spec, checkpointer, writers, monitors).
 
-What changes while the loop runs lives apart, in `Flags` (trainer.core.loop).
+What changes while the loop runs lives apart, in `Flags` (trainer.train.loop).
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from trainer.ckpt import files as checkpoint_files
+from trainer.ckpt import tiers, weights
 from trainer.config import FROZEN_KEYS, Config, ConfigError, dump_yaml, to_dict
-from trainer.core import data, optim, tiers, weights
-from trainer.core import mesh as mesh_lib
-from trainer.core import state as state_lib
-from trainer.core.model import GPT, abstract_params, mlp_width
-from trainer.core.replicas import ReplicaCheck
-from trainer.observe import alerts, checkpoint_files, env_vars, rundir
+from trainer.faults.injector import FaultInjector
+from trainer.model.model import GPT, abstract_params, mlp_width
+from trainer.observe import alerts, env_vars, rundir
 from trainer.observe.event_names import (
     CONFIG_CHANGED,
     DATA_READY,
@@ -35,8 +34,11 @@ from trainer.observe.events import EventLog
 from trainer.observe.heartbeat import Heartbeat, node_name
 from trainer.observe.spikes import SpikeDetector
 from trainer.observe.tensorboard import Writer
+from trainer.parallel import mesh as mesh_lib
 from trainer.supervise import runbook
-from trainer.supervise.faults import FaultInjector
+from trainer.train import data, optim
+from trainer.train import state as state_lib
+from trainer.train.replicas import ReplicaCheck
 
 
 @dataclasses.dataclass(frozen=True)

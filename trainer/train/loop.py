@@ -18,18 +18,13 @@ import absl.logging
 import jax
 
 from trainer import xla_env
+from trainer.ckpt import checkpoint, weights
+from trainer.ckpt.files import DURABLE, committed_steps, durable_dir
+from trainer.ckpt.save_policy import Requests, Save, SavePolicy
 from trainer.config import Config, to_dict
-from trainer.core import agree, checkpoint, data, endings, evaluate, optim, replicas, weights
-from trainer.core import mesh as mesh_lib
-from trainer.core.flags import Flags, Shared
-from trainer.core.model import attention_impl
-from trainer.core.save_policy import Requests, Save, SavePolicy
-from trainer.core.step import lower_train_step
-from trainer.core.step_log import StepLog
-from trainer.core.worker import Worker, setup, versions
+from trainer.model.model import attention_impl
 from trainer.observe import env_vars, outcome, rundir
 from trainer.observe.audit import AuditLog
-from trainer.observe.checkpoint_files import DURABLE, committed_steps, durable_dir
 from trainer.observe.event_names import (
     CHECKPOINT_INTERVAL,
     CHECKPOINT_SAVED,
@@ -40,7 +35,14 @@ from trainer.observe.event_names import (
     RESTORE,
     WORKER_READY,
 )
+from trainer.parallel import agree
+from trainer.parallel import mesh as mesh_lib
 from trainer.supervise import exit_codes
+from trainer.train import data, endings, evaluate, optim, replicas
+from trainer.train.flags import Flags, Shared
+from trainer.train.step import lower_train_step
+from trainer.train.step_log import StepLog
+from trainer.train.worker import Worker, setup, versions
 
 absl.logging.set_verbosity(absl.logging.ERROR)  # Orbax's info/warnings would drown the progress line
 _STACKS_FILE = None

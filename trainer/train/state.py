@@ -14,8 +14,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from trainer.core.mesh import active, rules
-from trainer.core.model import GPT, abstract_params
+from trainer.model.model import GPT, abstract_params
+from trainer.parallel.mesh import active, rules
 
 
 @dataclass(frozen=True)

@@ -10,17 +10,17 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trainer.config import Config
-from trainer.core import loss as loss_lib
-from trainer.core import mesh as mesh_lib
-from trainer.core import optim
-from trainer.core.state import StateSpec
+from trainer.model import loss as loss_lib
+from trainer.parallel import mesh as mesh_lib
+from trainer.train import optim
+from trainer.train.state import StateSpec
 
 
 def _grads(spec: StateSpec, mesh: Mesh, microbatches: int, z_loss: float = 0.0):
     """(params, tokens, key) -> (mean loss, mean gradients) over the whole global batch. The loss reported is
     the cross-entropy alone; with train.z_loss the gradients are those of cross-entropy + z_loss x
     mean(logsumexp(logits)^2), which keeps the softmax normaliser near 1 (PaLM, OLMo). The LM head and the
-    loss run slice by slice (trainer.core.loss): the whole logits never exist."""
+    loss run slice by slice (trainer.model.loss): the whole logits never exist."""
     model, k, shards = spec.model, microbatches, mesh_lib.batch_shards(mesh)
 
     def loss_fn(params, tokens_BL1, key):

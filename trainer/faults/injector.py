@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 from trainer.config import Fault
+from trainer.faults import corrupt, lose_node
 from trainer.observe import rundir
 from trainer.observe.rundir import write_json
-from trainer.supervise import corrupt, lose_node
 
 
 class InjectedStartupError(RuntimeError):
@@ -182,7 +182,7 @@ class FaultInjector:
 
     def disk_full(self, step: int) -> bool:
         """Whether this durable save, the first at or after the fault's step, finds the disk full (the
-        checkpointer then fails it as the filesystem would: trainer.core.checkpoint.Checkpointer.inject)."""
+        checkpointer then fails it as the filesystem would: trainer.ckpt.checkpoint.Checkpointer.inject)."""
         f = self._pending("disk_full", step, open_ended=True)
         if f is not None:
             self._record(f, step)
@@ -190,7 +190,7 @@ class FaultInjector:
 
     def bitflip(self, step: int) -> bool:
         """Whether to flip one bit in one replica's params before the update at `step` (silent data corruption:
-        trainer.core.replicas does it). Every process asks; the one holding that replica flips."""
+        trainer.train.replicas does it). Every process asks; the one holding that replica flips."""
         for i, f in self._all:
             if f.kind == "bitflip" and f.step == step and i not in self._fired:
                 self._record(f, step)

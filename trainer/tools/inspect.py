@@ -2,7 +2,7 @@
 
 Compiles the config's train step for its mesh without training or allocating the state, and reports per
 device what XLA's compiled executable says: state bytes, temporary (activation) bytes from its memory
-analysis, collective bytes per step by kind and matmul FLOPs from its optimized HLO (trainer.core.hlo:
+analysis, collective bytes per step by kind and matmul FLOPs from its optimized HLO (trainer.tools.hlo:
 dots and, on a GPU, cuBLAS custom calls), the operand dtypes of the matmuls that carry the vocabulary, and
 an MFU ceiling for a GPU. Without enough GPUs here it compiles on fake CPU devices of the mesh's size.
 """
@@ -30,7 +30,7 @@ MEM_FRACTION = 0.90  # of device memory XLA may use (the multi-GPU configs' run.
 HELP = """MFU ceilings (peak = the GPU's dense bf16 figure). They count "useful" FLOPs: 6 per token for each
 param that enters a matmul (the kernels and the LM head; not norms, biases or the position table) plus
 attention's causal half (6 x layers x D x L a token, L/2 keys per query on average, as llm.c and MaxText
-count: trainer.core.model.attention_flops_per_token, the loop's MFU's own term), no more than any exact
+count: trainer.model.model.attention_flops_per_token, the loop's MFU's own term), no more than any exact
 causal step computes. "compute" = useful FLOPs / the step's matmul FLOPs (the compiled HLO's dots and cuBLAS
 calls, plus the useful attention FLOPs when cuDNN's fused kernel runs it, a kernel being no matmul in the
 HLO): the MFU if every matmul ran at peak and nothing else took time. It cannot pass 100%; remat recompute
@@ -103,7 +103,7 @@ def _devices(n: int):
 def _stand_in(cfg: Config, devices: list) -> tuple[Config, str]:
     """On CPU devices a run that would use cuDNN's fused attention compiles XLA's path with the scores
     recomputed in the backward pass: no kernel, but the kernel's memory profile."""
-    from trainer.core.model import attention_impl
+    from trainer.model.model import attention_impl
 
     on_gpu = attention_impl(cfg.model, "gpu")
     if devices[0].platform == "gpu" or on_gpu != "cudnn":
@@ -123,9 +123,9 @@ def compile_for(cfg: Config, devices: list):
     import numpy as np
     from jax.sharding import Mesh
 
-    from trainer.core import mesh as mesh_lib
-    from trainer.core.step import lower_train_step
-    from trainer.core.worker import state_spec, validate_shapes
+    from trainer.parallel import mesh as mesh_lib
+    from trainer.train.step import lower_train_step
+    from trainer.train.worker import state_spec, validate_shapes
 
     shape = mesh_lib.mesh_shape(cfg.mesh, len(devices))
     validate_shapes(cfg, shape, cfg.launch.processes, cfg.train.microbatches, None)
@@ -135,9 +135,9 @@ def compile_for(cfg: Config, devices: list):
 
 
 def measure(cfg: Config, devices: list, gpu: str) -> dict:
-    from trainer.core import hlo
-    from trainer.core.model import attention_impl, flops_per_token
-    from trainer.core.state import param_count
+    from trainer.model.model import attention_impl, flops_per_token
+    from trainer.tools import hlo
+    from trainer.train.state import param_count
 
     spec, mesh, compiled = compile_for(cfg, devices)
     n = len(devices)
@@ -235,7 +235,7 @@ def _dtypes(mm) -> tuple[str, ...]:
 def useful_flops_per_token(cfg: Config, params) -> UsefulFlops:
     import jax
 
-    from trainer.core.model import attention_flops_per_token
+    from trainer.model.model import attention_flops_per_token
 
     def in_matmul(path) -> bool:
         name = path[-1].key

@@ -5,7 +5,7 @@ No jax.
 
 A step directory is committed once it carries its step number as its name: Orbax writes into a temporary
 name and renames it into place when complete. It is sealed once every writing process's content manifest
-is in it (trainer.observe.manifest).
+is in it (trainer.ckpt.manifest).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import glob
 import hashlib
 from pathlib import Path
 
-from trainer.observe import manifest
+from trainer.ckpt import manifest
 
 DURABLE, LOCAL = "durable", "local"  # the tiers: shared storage (all processes, one checkpoint), node-local
 ITEMS = ("state", "data", "meta")  # Orbax items of a step: train state, data cursor, metadata (JSON)

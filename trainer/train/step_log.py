@@ -7,12 +7,12 @@ import time
 
 import jax
 
-from trainer.core import mesh as mesh_lib
-from trainer.core.flags import Flags
-from trainer.core.model import flops_per_token
-from trainer.core.worker import Worker
+from trainer.model.model import flops_per_token
 from trainer.observe.event_names import STEP
 from trainer.observe.progress import Progress
+from trainer.parallel import mesh as mesh_lib
+from trainer.train.flags import Flags
+from trainer.train.worker import Worker
 
 MARKS = 4  # window marks in the heartbeat: the supervisor misses none unless it falls 4 windows behind
 

@@ -3,7 +3,7 @@
 readable by `GPT2LMHeadModel.from_pretrained(DIR)` (model.arch gpt2) or `LlamaForCausalLM.from_pretrained(DIR)`
 (model.arch llama), and by anything that reads safetensors. No torch is needed to write it.
 
-The conversion (trainer.core.hf) is a renaming, a reshape and a transpose of each param: no arithmetic. The
+The conversion (trainer.model.hf) is a renaming, a reshape and a transpose of each param: no arithmetic. The
 params are restored on one CPU device without the training mesh (weights.on_cpu), so a checkpoint of any
 mesh or process count exports on a laptop.
 """
@@ -19,11 +19,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from trainer.ckpt import weights
 from trainer.config import ConfigError, ModelConfig
-from trainer.core import hf, weights
-from trainer.core.state import params_sha256
+from trainer.model import hf
 from trainer.observe import pick
 from trainer.observe.rundir import write_json
+from trainer.train.state import params_sha256
 
 CONFIG, MODEL, TOKENIZER = hf.CONFIG, hf.MODEL, "tokenizer.json"
 

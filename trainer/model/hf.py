@@ -1,4 +1,4 @@
-"""Hugging Face's model formats, both ways: our param tree (trainer.core.model) as `GPT2LMHeadModel` or
+"""Hugging Face's model formats, both ways: our param tree (trainer.model.model) as `GPT2LMHeadModel` or
 `LlamaForCausalLM` tensors and config.json (for `export`), and a local Hugging Face model directory read back
 into our param tree (for `train.init_from`; never downloaded).
 
@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from trainer.config import ARCH_DEFAULTS, ConfigError, ModelConfig
-from trainer.core.model import kv_heads, mlp_width
+from trainer.model.model import kv_heads, mlp_width
 
 CONFIG, MODEL = "config.json", "model.safetensors"
 GPT2, LLAMA = "gpt2", "llama"

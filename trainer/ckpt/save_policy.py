@@ -4,7 +4,7 @@ SIGTERM, the end of the run or of `train.stop_at_step`, and a monitor's "checkpo
 
 A save is decided in two halves because the processes of a group must save at the same step: `requests`
 says what this process's clock asks for (it differs between processes), the loop agrees on it with the
-group (trainer.core.agree), and `decide` turns the agreed requests into at most one `Save`.
+group (trainer.parallel.agree), and `decide` turns the agreed requests into at most one `Save`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from trainer.ckpt.files import DURABLE, LOCAL
 from trainer.config import CheckpointConfig
-from trainer.observe.checkpoint_files import DURABLE, LOCAL
 
 # "auto" before this run has measured a save: the blocking seconds assumed for the first interval. Low on
 # purpose: a short first interval brings the first measurement, and every save re-derives the interval.

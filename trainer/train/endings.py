@@ -7,9 +7,6 @@ import os
 import sys
 import time
 
-from trainer.core.flags import Flags
-from trainer.core.state import params_sha256
-from trainer.core.worker import Worker
 from trainer.observe import rundir
 from trainer.observe.event_names import (
     CHECKPOINT_FAILED,
@@ -22,6 +19,9 @@ from trainer.observe.event_names import (
 )
 from trainer.observe.events import iter_events, newest_record
 from trainer.supervise import exit_codes
+from trainer.train.flags import Flags
+from trainer.train.state import params_sha256
+from trainer.train.worker import Worker
 
 
 def end(w: Worker, flags: Flags, st, step: int, loss: float) -> int:

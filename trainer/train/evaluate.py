@@ -10,9 +10,9 @@ import time
 import jax
 import numpy as np
 
-from trainer.core import loss as loss_lib
-from trainer.core import mesh as mesh_lib
-from trainer.core.state import StateSpec
+from trainer.model import loss as loss_lib
+from trainer.parallel import mesh as mesh_lib
+from trainer.train.state import StateSpec
 
 
 def make_eval_step(spec: StateSpec, mesh):

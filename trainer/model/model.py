@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from trainer.config import ModelConfig
-from trainer.core.layers import add_bias, causal_attention, gelu, layer_norm, rms_norm
+from trainer.model.layers import add_bias, causal_attention, gelu, layer_norm, rms_norm
 
 P = nn.with_logical_partitioning
 LN_EPS = 1e-5  # GPT-2's layer_norm_epsilon: model.norm_eps's default
@@ -128,7 +128,7 @@ def rotary(x_BLHK, theta: float):
 
 class LayerNorm(nn.Module):
     """flax.linen.LayerNorm's params and forward (fp32 statistics, output in the compute dtype), with a
-    backward that keeps fewer activations (trainer.core.layers.layer_norm)."""
+    backward that keeps fewer activations (trainer.model.layers.layer_norm)."""
 
     use_bias: bool
     dtype: jnp.dtype
@@ -143,7 +143,7 @@ class LayerNorm(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Llama's RMSNorm (trainer.core.layers.rms_norm): a scale, no bias, no mean subtracted."""
+    """Llama's RMSNorm (trainer.model.layers.rms_norm): a scale, no bias, no mean subtracted."""
 
     dtype: jnp.dtype
     eps: float
@@ -283,7 +283,7 @@ class GPT(nn.Module):
     @nn.compact
     def __call__(self, tokens_BL, deterministic: bool = True, hidden: bool = False):
         """The logits [B, L, V] (fp32); with `hidden`, what the LM head multiplies instead: the final norm's
-        output [B, L, D] and the head [D, V], both in the compute dtype (trainer.core.loss takes them, so the
+        output [B, L, D] and the head [D, V], both in the compute dtype (trainer.model.loss takes them, so the
         loss never holds the whole logits)."""
         cfg, dt = self.cfg, _dtype(self.cfg)
         init = nn.initializers.normal(0.02)

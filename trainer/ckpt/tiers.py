@@ -1,6 +1,6 @@
 """Checkpoint tiers: the durable one (`RUN_DIR/checkpoints`, shared, `checkpoint.every_*`) and an optional
 node-local one (`checkpoint.local_*`: each process its own directory, uncompressed, full state, plus the
-copy it holds for a process on another node: trainer.core.buddy), and the restore that picks the newest
+copy it holds for a process on another node: trainer.ckpt.buddy), and the restore that picks the newest
 checkpoint the group can assemble and verify, across both: a local one may come from each process's own
 copy or, for a process whose node was lost, from the copy its buddy holds.
 
@@ -19,13 +19,13 @@ from typing import Any
 
 import jax
 
+from trainer.ckpt import buddy, manifest
+from trainer.ckpt import files as checkpoint_files
+from trainer.ckpt.checkpoint import Checkpointer, Restored, SaveFailed
+from trainer.ckpt.files import BUDDY, DURABLE, LOCAL
 from trainer.config import CheckpointConfig
-from trainer.core import buddy
-from trainer.core.checkpoint import Checkpointer, Restored, SaveFailed
-from trainer.core.distributed import allgather_json
-from trainer.observe import checkpoint_files, manifest
-from trainer.observe.checkpoint_files import BUDDY, DURABLE, LOCAL
 from trainer.observe.event_names import CHECKPOINT_FAILED, CHECKPOINT_REJECTED
+from trainer.parallel.distributed import allgather_json
 
 
 def saved_meta(run_dir: Path, cfg: CheckpointConfig) -> dict | None:
@@ -220,7 +220,7 @@ class Tiers:
     def _restore_local(self, step: int, plan: dict, abstract: Any) -> tuple[Restored | None, dict | None]:
         """Every process reads what the plan gives it (its own shards, or another's onto its devices standing
         in for that process), the group agrees that every read worked, then the shards of processes that had
-        none move to them over a collective permute (trainer.core.buddy)."""
+        none move to them over a collective permute (trainer.ckpt.buddy)."""
         me, n = jax.process_index(), len(plan)
         mine = {e["folder"] for e in plan.values() if e["holder"] == me}
         # Each copy is verified by the process that will read it (a problem's file starts with its folder).

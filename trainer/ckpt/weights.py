@@ -20,14 +20,16 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from trainer.ckpt import files as checkpoint_files
+from trainer.ckpt import manifest
 from trainer.config import Config, ConfigError, ModelConfig
-from trainer.core import hf
-from trainer.core.distributed import allgather_json
-from trainer.core.model import GPT
 from trainer.corpus import shards, tokenizer
-from trainer.observe import checkpoint_files, manifest, pick, rundir
+from trainer.model import hf
+from trainer.model.model import GPT
+from trainer.observe import pick, rundir
 from trainer.observe.event_names import DATA_READY
 from trainer.observe.events import iter_events
+from trainer.parallel.distributed import allgather_json
 from trainer.yamltree import build
 
 absl.logging.set_verbosity(absl.logging.ERROR)  # Orbax's info lines ("metadata file does not exist", ...)

@@ -27,8 +27,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from trainer.core.distributed import allgather_json
 from trainer.observe import heartbeat
+from trainer.parallel.distributed import allgather_json
 
 
 def node_name() -> str:

@@ -1,12 +1,12 @@
 """Orbax checkpoints of the whole run, one tier per `Checkpointer`: state (params, optimizer, step, PRNG),
-data cursor, metadata. When to save: trainer.core.save_policy; the files on disk: trainer.observe.checkpoint_files.
+data cursor, metadata. When to save: trainer.ckpt.save_policy; the files on disk: trainer.ckpt.files.
 
 Saves are async: `save` returns once device arrays are copied to host; Orbax writes and commits the step
 directory atomically in the background, and then a sealing thread checksums what this process committed
-and writes its manifest into the step directory (trainer.observe.manifest): the training thread never
+and writes its manifest into the step directory (trainer.ckpt.manifest): the training thread never
 hashes. Retention never deletes the newest sealed checkpoint before a newer one is sealed. A failed write
 (disk full, I/O error) is kept in `failure` for the loop to act on. Choosing, verifying and restoring
-across tiers: trainer.core.tiers.
+across tiers: trainer.ckpt.tiers.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as cm
 
+from trainer.ckpt import files as checkpoint_files
+from trainer.ckpt import manifest
+from trainer.ckpt.files import BUDDY, DURABLE, ITEMS, LOCAL
 from trainer.config import CheckpointConfig
-from trainer.observe import checkpoint_files, manifest
-from trainer.observe.checkpoint_files import BUDDY, DURABLE, ITEMS, LOCAL
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
@@ -85,7 +86,7 @@ def _local_handlers(mp: ocp.options.MultiprocessingOptions) -> dict:
     )
     return {
         "state": tree(),
-        BUDDY: tree(),  # another process's shards, held for it (trainer.core.buddy)
+        BUDDY: tree(),  # another process's shards, held for it (trainer.ckpt.buddy)
         "data": ocp.JsonCheckpointHandler(multiprocessing_options=mp),
         "meta": ocp.JsonCheckpointHandler(multiprocessing_options=mp),
     }
@@ -194,7 +195,7 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, data_state: dict, meta: dict, *, held: Any = None) -> float:
         """Start a save; returns the seconds it blocked the caller (the device-to-host copy). `held`: another
-        process's shards this process keeps a copy of (local tier; trainer.core.buddy)."""
+        process's shards this process keeps a copy of (local tier; trainer.ckpt.buddy)."""
         self._join_sealer()
         if self.failure:
             raise SaveFailed(self.failure)

@@ -1,11 +1,11 @@
 """The loop's flags: what this process was asked (`Flags`: by its SIGTERM handler and its monitors) and
-what the whole group acts on at one step (`Shared`, agreed through trainer.core.agree)."""
+what the whole group acts on at one step (`Shared`, agreed through trainer.parallel.agree)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from trainer.core import agree
+from trainer.parallel import agree
 
 
 @dataclasses.dataclass
@@ -31,7 +31,7 @@ class Flags:
 
 @dataclasses.dataclass(frozen=True)
 class Shared:
-    """What every process of the group acts on at the same step (agreed through trainer.core.agree; the
+    """What every process of the group acts on at the same step (agreed through trainer.parallel.agree; the
     field order is the wire format)."""
 
     spike: bool = False  # a monitor found a loss spike: exit SPIKE for the runbook

@@ -1,0 +1,2 @@
+"""Commands that read a config or a run without training it (jax): `inspect` (with the HLO reader behind
+it), `export` and `sample`."""
