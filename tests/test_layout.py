@@ -207,3 +207,61 @@ def test_no_module_is_a_haystack():
         if (n := len(p.read_text().splitlines())) > 420
     }
     assert not long, long
+
+
+# The two functions a reader walks first, the supervisor's and the worker's loop, stay readable at a glance.
+SHORT_FUNCTIONS = ("trainer/supervise/supervisor.py", "trainer/train/loop.py")
+
+
+def long_functions(root: Path, files=SHORT_FUNCTIONS, limit: int = 60) -> dict[str, int]:
+    """Every function (methods and nested ones too) of `files` longer than `limit` lines, def to last line."""
+    out = {}
+    for file in files:
+        for node in ast.walk(ast.parse((root / file).read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > limit:
+                out[f"{file}:{node.lineno} {node.name}"] = node.end_lineno - node.lineno + 1
+    return out
+
+
+def test_no_function_over_60_lines_in_the_supervisor_and_the_loop():
+    assert not long_functions(ROOT), long_functions(ROOT)
+
+
+def import_cycles(root: Path) -> list[list[str]]:
+    """Cycles among trainer's modules: every import counts here, those for type annotations only too (a circle
+    of them still means two modules that cannot be read one before the other)."""
+    mods = {}
+    for path in sorted((root / "trainer").rglob("*.py")):
+        rel = path.relative_to(root).with_suffix("")
+        mods[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = path
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                graph[m] |= {a.name for a in node.names if a.name in mods}
+            elif isinstance(node, ast.ImportFrom):
+                base = m.split(".")[: len(m.split(".")) - node.level + is_pkg] if node.level else []
+                frm = ".".join(base + ([node.module] if node.module else []))
+                for a in node.names:
+                    target = f"{frm}.{a.name}" if f"{frm}.{a.name}" in mods else frm
+                    if target in mods and target != m:
+                        graph[m].add(target)
+    cycles, seen = [], set()
+    for start in graph:  # a module that reaches itself; each cycle reported once, as its set of modules
+        stack, path_ = [(start, iter(sorted(graph[start])))], [start]
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                stack.pop(), path_.pop()
+            elif nxt == start:
+                if frozenset(path_) not in seen:
+                    seen.add(frozenset(path_)), cycles.append(list(path_))
+            elif nxt not in path_ and nxt > start:  # only cycles whose smallest module is `start`
+                stack.append((nxt, iter(sorted(graph[nxt])))), path_.append(nxt)
+    return cycles
+
+
+def test_no_import_circle():
+    assert not import_cycles(ROOT), import_cycles(ROOT)
