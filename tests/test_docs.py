@@ -206,7 +206,7 @@ def parse_only(args: list[str]) -> argparse.Namespace:
             if e.code == 0 and "--help" in args:  # --help prints and exits 0 from inside the parse
                 return argparse.Namespace()
             raise AssertionError(f"the parser refused it (exit {e.code})") from None
-    raise AssertionError(f"no parser was reached (exit {rc})")
+    raise AssertionError(f"the CLI exited {rc} in or before its parse: a command or flag it does not know")
 
 
 def _sets(args: list[str]) -> list[str]:
