@@ -242,10 +242,12 @@ def _check_mapped(cmd: Command, node_ids: list[str]) -> list[str]:
         if not any(isinstance(f, ast.FunctionDef) and f.name == name for f in tree.body):
             problems.append(f"{cmd!r}: mapped to {node}, which does not exist")
         sources += _source(path) if path.is_file() else ""
-    args = trainer_args(argv_of(cmd.text)) or []
+    words = argv_of(cmd.text)
+    args = trainer_args(words) or []
     sub = [args[0]] if args and not args[0].startswith("-") else []
     keys = [s.split("=")[0] for s in _sets(args)]
-    for word in [*sub, *_flags(args), *keys]:
+    job = [*_flags(words[1 : len(words) - len(args)]), "slurm.sbatch"] if words[0] == "sbatch" else []
+    for word in [*job, *sub, *_flags(args), *keys]:
         if (sub[:1] and (sub[0], word) in PARSED_ONLY) or word == "--help":
             continue
         if word not in sources:
