@@ -17,12 +17,13 @@ is and what to do):
     the session's finished reference run (conftest.reference_run, built once and shared), and must exit 0;
   - MAPPED, the rest (training, drills, SLURM jobs, prepare, inspect, audit): the test(s) that run that command
     form. Each node id must exist, and its module's source (with the shared helpers in tests/) must name the
-    subcommand and every flag and --set key the doc shows.
+    subcommand and every flag and --set key the doc shows (for sbatch, its own flags and the batch script too).
+    PARSED_ONLY lists the few flags shown that no test runs: the gaps, in plain sight.
 - `python -m benchmarks.X`, `python benchmarks/X.py`, `python tests/X.py`: the script exists and names every
   flag the doc shows (the benchmarks' own smoke tests are in tests/test_benchmarks_smoke.py).
 - `bash X.sh`: the script exists and `bash -n` parses it.
-- the setup lines (venv, activate, pip install, pytest): SETUP, each must appear verbatim in .ci/run, which CI
-  runs on a fresh clone.
+- the setup lines (venv, activate, pip install, the suite's command): SETUP, what .ci/run (CI, on a fresh clone)
+  runs for each, verbatim; the inner loop's `-m "not slow"` needs the marker pyproject.toml declares.
 - `tensorboard --logdir RUN_DIR/tb`: tensorboard is installed and the finished run has event files there.
 """
 
