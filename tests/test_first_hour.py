@@ -104,6 +104,9 @@ def test_the_cli_lists_commands_suggests_and_never_trains_by_accident(tmp_path):
     names = ["--config", *SUBCOMMANDS]  # every subcommand the CLI dispatches, none forgotten in the help
     assert [ln.split()[0] for ln in commands] == names and len(names) >= 7, commands
     assert all(len(ln.split()) > 3 for ln in commands), commands  # each with its one line
+    usage = helped.stdout.split("\n\n", 1)[0]  # and the usage line names every one of them
+    assert usage.startswith("usage: python -m trainer --config FILE"), usage
+    assert re.search(r"python -m trainer \{([\w,]+)\} \.\.\.", usage)[1].split(",") == list(SUBCOMMANDS), usage
     _one_error_line(_cli("staus", "runs/x"), "unknown command 'staus'; did you mean 'status'?")
     _one_error_line(_cli("--confg", TINY), "did you mean --config?")
     bare = _cli(cwd=tmp_path)
