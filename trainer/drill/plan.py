@@ -39,6 +39,7 @@ RESTARTS = {"crash", "crash_after_save", "hang", "crash_mid_save", "corrupt", "p
 RESTARTS |= {"node", "disk_full", "hang_checkpoint", "hang_eval"}  # (one literal would pass the line limit)
 AFTER_RESTART = {"hang_startup", "hang_restore", "hang_compile"}  # fire in the restart after an earlier failure
 IN_PHASE = {"hang_checkpoint", "hang_eval"}  # fire the first time their phase is entered at or after their step
+CORRUPTIONS = CORRUPT_HOW  # what a corrupt fault may do: the config's faults[].how (trainer.config owns it)
 SLOW_STEPS, SLOW_MULTIPLE = 20, 3.0
 # A drill of fewer faults, or of fewer kinds, shows nothing about a configuration (--min-faults, --min-kinds)
 MIN_FAULTS, MIN_KINDS = 8, 4
@@ -149,7 +150,7 @@ def schedule(
         elif kind in IN_PHASE:
             fault = {"kind": "hang", "step": step, "phase": kind.split("_")[1]}
         elif kind == "corrupt":
-            fault["how"] = rng.choice(CORRUPT_HOW)
+            fault["how"] = rng.choice(CORRUPTIONS)
         elif kind == "slow":
             fault.update(count=SLOW_STEPS, step_multiple=SLOW_MULTIPLE)
         elif kind == "preempt":
