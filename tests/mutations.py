@@ -199,7 +199,7 @@ MUTATIONS = [
         "a changed run.seed is not refused on resume",
         (
             (
-                "trainer/config.py",
+                "trainer/config/__init__.py",
                 'FROZEN_KEYS = ("model", "data.batch_size", "data.shuffle", "run.seed")',
                 'FROZEN_KEYS = ("model", "data.batch_size", "data.shuffle")',
             ),
@@ -212,7 +212,7 @@ MUTATIONS = [
         "a changed data.shuffle is not refused on resume",
         (
             (
-                "trainer/config.py",
+                "trainer/config/__init__.py",
                 'FROZEN_KEYS = ("model", "data.batch_size", "data.shuffle", "run.seed")',
                 'FROZEN_KEYS = ("model", "data.batch_size", "run.seed")',
             ),

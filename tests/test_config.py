@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import re
 import subprocess
 import sys
@@ -12,8 +14,11 @@ import jax.numpy as jnp
 import pytest
 from conftest import ROOT, child_env, run_trainer, sets, trainer_cmd
 
-from trainer.config import ConfigError, load_config
+import trainer.config
+from trainer.config import Config, ConfigError, load_config
+from trainer.faults import corrupt
 from trainer.model.model import GPT
+from trainer.observe import heartbeat
 
 # Stated sizes (millions of parameters) of every shipped config.
 STATED = {
@@ -61,11 +66,30 @@ def test_every_shipped_config_parses_and_has_its_stated_size():
         ("run.gpu_mem_fraction=1.5", "run.gpu_mem_fraction must be in (0, 1] or 0 (jax's default), got 1.5"),
         ("run.xla_latency_hiding=sometimes", "run.xla_latency_hiding: expected true/false"),
         ("train.z_loss=-1", "train.z_loss must be >= 0"),
+        ("model.dropout=1", "model.dropout must be in [0, 1), got 1.0"),
+        ("runbook.lr_factor=0", "runbook.lr_factor must be in (0, 1], got 0.0"),
+        ("alerts.throughput_drop=1", "alerts.throughput_drop must be in (0, 1), got 1.0"),
+        ("straggler.windows=0", "straggler.windows must be >= 1, got 0"),
+        ("launch.mode=k8s", "launch.mode must be local or slurm, got 'k8s'"),
+        ("faults=[{kind: crash, step: 3, process: 2}]", "faults[0].process must be in [0, launch.processes=1), got 2"),
     ],
 )
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(str(ROOT / "configs" / "tiny.yaml"), [override])
+
+
+def test_each_section_checks_its_own_fields_and_each_vocabulary_has_one_owner():
+    """A section's check() names keys as {where}.FIELD (its own key, from the tree): each FIELD is one of its
+    fields. The phases and the corruption kinds are the config's, wherever they are used."""
+    sections = [f.type for f in dataclasses.fields(Config) if f.name != "faults"] + ["Fault"]
+    for cls in (getattr(trainer.config, name) for name in sections):
+        names = {f.name for f in dataclasses.fields(cls)}
+        src = inspect.getsource(cls.check) if "check" in vars(cls) else ""
+        assert set(re.findall(r"\{where\}\.(\w+)", src)) <= names, cls
+    assert heartbeat.PHASES is trainer.config.PHASES and set(trainer.config.FAULT_PHASES) < set(heartbeat.PHASES)
+    assert tuple(corrupt.HOW) == trainer.config.CORRUPT_HOW
+    assert all(corrupt.HOW[how].__name__ == how for how in corrupt.HOW)
 
 
 def test_model_arch_sets_its_parts_and_each_stays_settable():

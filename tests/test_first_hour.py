@@ -48,9 +48,9 @@ def _strict(text: str):
 
 @pytest.fixture(scope="module")
 def done(tmp_path_factory) -> tuple[Path, str]:
-    """A finished supervised micro run (data cache of its own) and what it printed."""
+    """A finished supervised micro run (data cache of its own, progress line on) and what it printed."""
     run = tmp_path_factory.mktemp("done") / "run"
-    proc = run_trainer(run, *DONE, f"data.cache_dir={run.parent / 'cache'}")
+    proc = run_trainer(run, *DONE, "log.progress=true", f"data.cache_dir={run.parent / 'cache'}")
     return run, proc.stderr
 
 
@@ -67,6 +67,9 @@ def test_a_finished_run_rerun_says_so_and_changes_no_byte(done, tmp_path):
     complete = f"run complete at step 12: {run}/summary.json (final loss "
     assert lines[-1].startswith(complete) and f"tensorboard --logdir {run}/tb" in lines[-1], first[-2000:]
     assert f"; report {run}/report/report.md;" in lines[-1], first[-2000:]
+    # Its stderr is a pipe, not a terminal: the progress line every log.every_steps (5), the first and the last.
+    shown = [int(re.search(r" step (\d+)/12 ", ln)[1]) for ln in lines if "tok/s  ETA" in ln]
+    assert shown == [1, 5, 10, 12], first[-2000:]
     assert not (run / "stacks").exists()  # no empty stack file left by the worker start
     before = snapshot(run)
     cache = f"data.cache_dir={run.parent / 'cache'}"
@@ -104,6 +107,9 @@ def test_the_cli_lists_commands_suggests_and_never_trains_by_accident(tmp_path):
     names = ["--config", *SUBCOMMANDS]  # every subcommand the CLI dispatches, none forgotten in the help
     assert [ln.split()[0] for ln in commands] == names and len(names) >= 7, commands
     assert all(len(ln.split()) > 3 for ln in commands), commands  # each with its one line
+    usage = helped.stdout.split("\n\n", 1)[0]  # and the usage line names every one of them
+    assert usage.startswith("usage: python -m trainer --config FILE"), usage
+    assert re.search(r"python -m trainer \{([\w,]+)\} \.\.\.", usage)[1].split(",") == list(SUBCOMMANDS), usage
     _one_error_line(_cli("staus", "runs/x"), "unknown command 'staus'; did you mean 'status'?")
     _one_error_line(_cli("--confg", TINY), "did you mean --config?")
     bare = _cli(cwd=tmp_path)

@@ -123,7 +123,6 @@ def test_supervisor_status_report_without_jax(tmp_path):
 RANK = {
     "__init__": -1,  # trainer/__init__.py: the package docstring; imports nothing
     "yamltree": 0,  # the YAML parser under config
-    "config_rules": 0.5,  # the rules a built config must satisfy (config's sections only for type checking)
     "config": 1,  # imports yamltree and nothing else of the project
     "observe.rundir": 1.2,  # the run dir's names and its atomic writes, under everything that writes there
     "ckpt.manifest": 1.4,  # checkpoints' content manifests: jax-free, read by observe

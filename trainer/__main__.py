@@ -28,7 +28,7 @@ SUBCOMMANDS = {  # name: (module, one line for --help)
     "drill": ("trainer.drill.cli", "fire drill: a config under a seeded schedule of faults, checked end to end"),
     "checkpoints": ("trainer.observe.checkpoints", "list a run's checkpoints (both tiers); --verify re-checks them"),
     "inspect": ("trainer.tools.inspect", "compile a config's step without training: bytes, collectives, FLOPs"),
-    "export": ("trainer.tools.export", "a checkpoint as a Hugging Face GPT-2 model dir (config.json, safetensors)"),
+    "export": ("trainer.tools.export", "a checkpoint as a Hugging Face GPT-2 or Llama model dir (safetensors)"),
     "sample": ("trainer.tools.sample", "generate text from a run's checkpoint (greedy at --temperature 0)"),
 }
 COMMANDS_HELP = (
@@ -51,12 +51,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}{hint} (see python -m trainer --help)\n")
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line as --help shows it (training, and every subcommand by name); parses, runs nothing."""
     p = _Parser(
         prog="python -m trainer",
         description="Fault-tolerant GPT training on a device mesh.",
         usage="python -m trainer --config FILE [--set KEY=VALUE ...] [--worker]\n"
-        "       python -m trainer {status,report,audit,survival} ...",
+        f"       python -m trainer {{{','.join(SUBCOMMANDS)}}} ...",
         epilog=COMMANDS_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -129,7 +130,7 @@ def _unknown_command(word: str) -> int:
 
 def main(argv: list[str]) -> int:
     if not argv:  # never a 200-step run of the defaults into runs/default by accident
-        _parser().print_help(sys.stderr)
+        build_parser().print_help(sys.stderr)
         return 2
     if argv[0] in SUBCOMMANDS:
         import importlib
@@ -137,7 +138,7 @@ def main(argv: list[str]) -> int:
         return importlib.import_module(SUBCOMMANDS[argv[0]][0]).main(argv[1:])
     if not argv[0].startswith("-"):
         return _unknown_command(argv[0])
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         cfg = load_config(args.config, args.set)
         from trainer.observe import outcome, rundir

@@ -1,21 +1,87 @@
 """Typed dataclass trees from YAML: a file of differences from the defaults plus dotted `--set key=value`
-overrides, each value coerced to the type its dataclass field declares. Every mistake is one ConfigError
-naming the key (or the file, line and column) and the fix. Generic: trainer.config declares the tree.
+overrides, each value coerced to the type its dataclass field declares, and the rules a field declares on its
+type (`Positive[int]`, `Annotated[str, OneOf(...)]`) checked once the tree is built. Every mistake is one
+ConfigError naming the key (or the file, line and column) and the fix. Generic: trainer.config declares the tree.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
 import yaml
 
 
 class ConfigError(ValueError):
     """A user mistake in the config or its inputs; the CLI prints it as one line and exits 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """A number's allowed values, declared on its field's type and said as the message does: "> 0", ">= 1",
+    "in (0, 1]". `brackets`: "(" or ")" leaves that end out. A one-sided bound is broken only by a value
+    below it; an interval holds only what lies inside it."""
+
+    low: float
+    high: float = math.inf
+    brackets: str = "[)"
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            return f"{'>' if self.brackets[0] == '(' else '>='} {self.low:g}"
+        return f"in {self.brackets[0]}{self.low:g}, {self.high:g}{self.brackets[1]}"
+
+    def broken(self, v: float) -> str | None:
+        if self.high == math.inf:
+            ok = not (v < self.low or (self.brackets[0] == "(" and v == self.low))
+        else:
+            above = v > self.low if self.brackets[0] == "(" else v >= self.low
+            ok = above and (v < self.high if self.brackets[1] == ")" else v <= self.high)
+        return None if ok else f"must be {self}, got {v}"
+
+
+class OneOf:
+    """The values a string field may take, said as "must be a, b or c"."""
+
+    def __init__(self, *options: str):
+        self.options = options
+
+    def broken(self, v: str) -> str | None:
+        say = f"{', '.join(self.options[:-1])} or {self.options[-1]}"
+        return None if v in self.options else f"must be {say}, got {v!r}"
+
+
+T = TypeVar("T")
+Positive = Annotated[T, Range(0, brackets="()")]  # > 0
+NonNegative = Annotated[T, Range(0)]  # >= 0 (0 usually means off or none)
+
+
+class Section:
+    """A dataclass of config keys. `check_section` checks the rules its fields' types declare, then check()."""
+
+    def check(self, where: str) -> None:
+        """The rules between this section's own fields; `where` is its key ("model", "faults[0]")."""
+
+
+@functools.cache
+def _rules(cls: type) -> tuple[tuple[str, tuple], ...]:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return tuple((f.name, getattr(hints[f.name], "__metadata__", ())) for f in dataclasses.fields(cls))
+
+
+def check_section(section: Section, where: str) -> None:
+    """The first broken rule of a built section as a ConfigError naming its key: the fields' declared rules in
+    the order of the fields, then the section's own check()."""
+    for name, rules in _rules(type(section)):
+        for rule in rules:
+            if (why := rule.broken(getattr(section, name))) is not None:
+                raise ConfigError(f"{where}.{name} {why}")
+    section.check(where)
 
 
 def _coerce(value: Any, typ: Any, key: str) -> Any:

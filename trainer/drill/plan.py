@@ -11,7 +11,7 @@ import math
 import random
 from dataclasses import asdict, dataclass
 
-from trainer.config import Config
+from trainer.config import CORRUPT_HOW, Config
 
 # kind: (what the trainer's fault list gets, in words). "preempt" is the drill's own: a SIGTERM to the
 # supervisor, as a scheduler sends it; every other kind is a `faults` entry the workers fire themselves.
@@ -39,7 +39,7 @@ RESTARTS = {"crash", "crash_after_save", "hang", "crash_mid_save", "corrupt", "p
 RESTARTS |= {"node", "disk_full", "hang_checkpoint", "hang_eval"}  # (one literal would pass the line limit)
 AFTER_RESTART = {"hang_startup", "hang_restore", "hang_compile"}  # fire in the restart after an earlier failure
 IN_PHASE = {"hang_checkpoint", "hang_eval"}  # fire the first time their phase is entered at or after their step
-CORRUPTIONS = ("flip", "truncate", "torn")
+CORRUPTIONS = CORRUPT_HOW  # what a corrupt fault may do: the config's faults[].how (trainer.config owns it)
 SLOW_STEPS, SLOW_MULTIPLE = 20, 3.0
 # A drill of fewer faults, or of fewer kinds, shows nothing about a configuration (--min-faults, --min-kinds)
 MIN_FAULTS, MIN_KINDS = 8, 4

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainer.ckpt import files as checkpoint_files
+from trainer.config import CORRUPT_HOW
 
 
 def largest_file(directory: Path) -> Path:
@@ -40,7 +41,7 @@ def torn(step_dir: Path) -> str:
     return "meta/metadata"
 
 
-HOW = {"flip": flip, "truncate": truncate, "torn": torn}
+HOW = {how: globals()[how] for how in CORRUPT_HOW}  # each kind a config may name is the function of its name
 
 
 def newest(run_dir: Path, how: str, local: Path | None = None) -> str:

@@ -3,8 +3,8 @@
 Each fault fires at most once per run: it is recorded in the run dir (fsynced) before it fires, so
 the restart it causes does not trigger it again. A fault fires on one process (`process`, 0 unless set);
 nan, spike and bitflip change the train state, so every process applies them and their process records
-them. The kinds and phases a config may name are declared with the config rules (trainer.config_rules.FAULT_KINDS,
-FAULT_PHASES).
+them. The kinds and phases a config may name are declared with the config's faults section
+(trainer.config.supervision: FAULT_KINDS, FAULT_PHASES).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ COORDINATOR_PORT = "TRAINER_COORDINATOR_PORT"  # under SLURM: the port; the host
 # process its own ("fake{process}"); unset, SLURM's node name or the host name.
 NODE_NAME = "TRAINER_NODE_NAME"
 PYTHONUNBUFFERED = "PYTHONUNBUFFERED"  # worker output reaches the supervisor line by line
+TERMINAL = "TRAINER_TERMINAL"  # "1": the supervisor's stderr is a terminal (the progress line every step)
 
 # --- set for the libraries ---------------------------------------------------------------------------------
 XLA_FLAGS = "XLA_FLAGS"  # run.deterministic's and run.xla_latency_hiding's flags (trainer.xla_env); recorded

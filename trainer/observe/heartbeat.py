@@ -16,12 +16,11 @@ import threading
 import time
 from pathlib import Path
 
-from trainer.config import SupervisorConfig
+from trainer.config import PHASES, SupervisorConfig
 from trainer.observe import env_vars, rundir
 from trainer.observe.events import NO_SPACE
 from trainer.observe.rundir import read_json, write_json
 
-PHASES = ("startup", "restore", "compile", "step", "eval", "checkpoint", "done")
 PULSE_S = 1.0  # how often each worker says it is alive
 PULSE_STALE_S = 6.0  # a pulse this old: the process is frozen, not waiting (writes to a busy shared disk may lag)
 

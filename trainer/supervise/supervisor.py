@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.config import Config
-from trainer.observe import env_vars, goodput, heartbeat, outcome, rundir
+from trainer.observe import env_vars, goodput, heartbeat, outcome, progress, rundir
 from trainer.observe.alerts import ALERTS
 from trainer.observe.event_names import (
     ALERT,
@@ -73,7 +73,7 @@ class Supervisor:
     # --- worker lifecycle -------------------------------------------------------------------
     def _start(self, number: int) -> Attempt:
         log_dir = self.run_dir / rundir.LOGS
-        env = dict(os.environ, **{env_vars.PYTHONUNBUFFERED: "1", env_vars.ATTEMPT: str(number)})
+        env = dict(os.environ, **{env_vars.PYTHONUNBUFFERED: "1", env_vars.ATTEMPT: str(number)}, **progress.env())
         proc = self.launcher.start(number, self.worker_argv, env)
         for node, reason in self.launcher.new_suspects:
             self.events.write(NODE_SUSPECT, step=_last_step(self.run_dir), node=node, reason=reason)

@@ -30,7 +30,7 @@ class StepLog:
         self.flops_per_token = flops_per_token(cfg.model, w.n_params)
         self.flops_per_token_full_attn = flops_per_token(cfg.model, w.n_params, causal=False)
         self.peak = mesh_lib.peak_flops(cfg.log.peak_flops) * jax.device_count()
-        self.progress = Progress(cfg.train.steps, cfg.log.progress and w.primary)
+        self.progress = Progress(cfg.train.steps, cfg.log.progress and w.primary, every=cfg.log.every_steps)
         self.pending = None  # (step, metrics on device, data wait s)
         self.peer_s = 0.0  # seconds waiting on the group since the last emit: a step call that ran the step
         # On GPUs the step call only queues the step: its time is host work (launching kernels), and a process
