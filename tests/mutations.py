@@ -153,7 +153,7 @@ MUTATIONS = [
         "the group counts as hung as soon as one process is overdue",
         (
             (
-                "trainer/supervise/supervisor.py",
+                "trainer/supervise/hang.py",
                 "phase, since, step, process = min(beats,",
                 "phase, since, step, process = max(beats,",
             ),
@@ -238,9 +238,9 @@ MUTATIONS = [
         "supervisor.max_restarts is never enforced",
         (
             (
-                "trainer/supervise/supervisor.py",
-                "if restarts >= self.sc.max_restarts:",
-                "if restarts >= self.sc.max_restarts and False:",
+                "trainer/supervise/exit_codes.py",
+                "if tally.restarts >= sc.max_restarts:",
+                "if tally.restarts >= sc.max_restarts and False:",
             ),
         ),
         ("tests/test_supervisor.py::test_the_restart_budget_ends_the_run_with_exit_77_after_bounded_backoff",),
@@ -251,9 +251,9 @@ MUTATIONS = [
         "the restart delay does not double for a step that keeps failing",
         (
             (
-                "trainer/supervise/supervisor.py",
-                "self.sc.backoff_s * 2 ** (tries - 2)",
-                "self.sc.backoff_s * 1 ** (tries - 2)",
+                "trainer/supervise/exit_codes.py",
+                "sc.backoff_s * 2 ** (tries - 2)",
+                "sc.backoff_s * 1 ** (tries - 2)",
             ),
         ),
         ("tests/test_supervisor.py::test_the_restart_budget_ends_the_run_with_exit_77_after_bounded_backoff",),
@@ -264,9 +264,9 @@ MUTATIONS = [
         "the restart delay ignores supervisor.backoff_max_s",
         (
             (
-                "trainer/supervise/supervisor.py",
-                "self.sc.backoff_s * 2 ** (tries - 2), self.sc.backoff_max_s)",
-                "self.sc.backoff_s * 2 ** (tries - 2), float('inf'))",
+                "trainer/supervise/exit_codes.py",
+                "sc.backoff_s * 2 ** (tries - 2), sc.backoff_max_s)",
+                "sc.backoff_s * 2 ** (tries - 2), float('inf'))",
             ),
         ),
         ("tests/test_supervisor.py::test_the_restart_budget_ends_the_run_with_exit_77_after_bounded_backoff",),
@@ -963,9 +963,9 @@ MUTATIONS = [
         "every controlled exit (exit 2 and STORAGE too) counts as one the peers make by themselves",
         (
             (
-                "trainer/supervise/group.py",
-                "PEERS_FOLLOW = (exit_codes.OK, exit_codes.PREEMPTED, exit_codes.SPIKE, exit_codes.REPLICA_MISMATCH)",
-                "PEERS_FOLLOW = CONTROLLED",
+                "trainer/supervise/exit_codes.py",
+                "PEERS_FOLLOW = frozenset(code for code, r in POLICY.items() if r.peers_follow)",
+                "PEERS_FOLLOW = CHOSEN",
             ),
         ),
         ("tests/test_multihost.py::test_a_config_exit_of_one_process_takes_the_group_down_at_once",),
@@ -976,9 +976,9 @@ MUTATIONS = [
         "a crash loop is declared one failure after supervisor.crash_loop_restarts",
         (
             (
-                "trainer/supervise/supervisor.py",
-                "if same_step_failures >= self.sc.crash_loop_restarts:",
-                "if same_step_failures > self.sc.crash_loop_restarts:",
+                "trainer/supervise/exit_codes.py",
+                "if tally.same_step >= sc.crash_loop_restarts:",
+                "if tally.same_step > sc.crash_loop_restarts:",
             ),
         ),
         ("tests/test_supervisor.py::test_a_crash_loop_gives_up_with_the_step_and_the_last_error",),

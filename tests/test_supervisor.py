@@ -113,10 +113,8 @@ def test_hangs_in_every_phase_are_detected_by_their_own_timeout_dumped_and_recov
     for h, phase in zip(hangs[:5], phases):  # where each injected hang sleeps, in its stack dump
         stacks = (run / "stacks" / f"worker-{h['pid']}.txt").read_text()
         hook, caller = HUNG_IN[phase]
-        assert "faults.py" in stacks and re.search(rf"in {hook}\n\s*File \"[^\"]+\", line \d+ in {caller}\n", stacks), (
-            phase,
-            stacks[-2000:],
-        )
+        where = rf"in {hook}\n\s*File \"[^\"]+\", line \d+ in {caller}\n"
+        assert "faults/injector.py" in stacks and re.search(where, stacks), (phase, stacks[-2000:])
     _assert_same_as_reference(run, ref)
 
 

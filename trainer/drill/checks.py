@@ -15,6 +15,7 @@ from trainer.ckpt import files as checkpoint_files
 from trainer.config import Config
 from trainer.drill.plan import AFTER_RESTART, KINDS, MIN_FAULTS, MIN_KINDS, RESTARTS, Planned
 from trainer.observe import audit, rundir
+from trainer.observe.alerts import Kind
 from trainer.observe.event_names import (
     ALERT,
     ALERT_CLEARED,
@@ -55,7 +56,7 @@ def _detector(kind: str, hit: str):
         "node": lambda e: e["event"] == NODE_SUSPECT,
         "disk_full": lambda e: e["event"] == CHECKPOINT_FAILED,  # the lost node blamed (not the survivors)
         "ecc": lambda e: e["event"] == CHECKPOINT_NOW,
-        "slow": lambda e: e["event"] == STRAGGLER or (e["event"] == ALERT and e.get("kind") == "throughput_drop"),
+        "slow": lambda e: e["event"] == STRAGGLER or (e["event"] == ALERT and e.get("kind") == Kind.THROUGHPUT_DROP),
     }[kind]
 
 
@@ -64,7 +65,7 @@ def _healer(kind: str):
     return {
         "ecc": lambda e: e["event"] == CHECKPOINT_SAVED,
         "slow": lambda e: (
-            e["event"] == STRAGGLER_CLEARED or (e["event"] == ALERT_CLEARED and e.get("kind") == "throughput_drop")
+            e["event"] == STRAGGLER_CLEARED or (e["event"] == ALERT_CLEARED and e.get("kind") == Kind.THROUGHPUT_DROP)
         ),
     }[kind]
 

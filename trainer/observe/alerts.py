@@ -30,41 +30,63 @@ from trainer.observe.event_names import (
 )
 from trainer.observe.events import events_newest_first
 
+
+class Kind:
+    """The alert kinds: an `alert` event's kind, its alerts/<kind> scalar, its ALERTS entry."""
+
+    GRAD_NORM_RISING = "grad_norm_rising"
+    THROUGHPUT_DROP = "throughput_drop"
+    ECC_RISING = "ecc_rising"
+    STRAGGLER = "straggler"  # the supervisor's (trainer.supervise.straggler)
+    DISK_FULL = "disk_full"  # the supervisor's (trainer.supervise.storage)
+    STEP_OVERDUE = "step_overdue"  # the supervisor's, from the heartbeats
+
+
+class Do:
+    """What a step monitor asks of the loop: its on_step returns None or {"do": one of these, ...}, which
+    trainer.train.flags.Flags.act carries out."""
+
+    KEY = "do"
+    CHECKPOINT_NOW = "checkpoint_now"  # save at once (and "reason": why)
+    HOLD = "hold"  # freeze updates while a spike is probed (trainer.observe.spikes)
+    SPIKE = "spike"  # the offending span is known: exit SPIKE for the runbook (trainer.observe.spikes)
+
+
 # kind -> (what it likely means, what the runbook does about it)
 ALERTS = {
-    "grad_norm_rising": (
+    Kind.GRAD_NORM_RISING: (
         "the gradient norm (before clipping) keeps climbing: the leading indicator of instability; a loss "
         "spike or divergence often follows",
         "watch the loss; on a spike the runbook rewinds to the last good checkpoint, skips the offending "
         "batches and, if it recurs, lowers the peak LR / tightens clipping. A steady climb alone: consider "
         "a lower LR or tighter clip at the next restart",
     ),
-    "throughput_drop": (
+    Kind.THROUGHPUT_DROP: (
         "tokens/s fell well below its recent median: a straggler device or host, a degraded network link, a "
         "slow input pipeline or thermal/power throttling; money leaks with no crash",
         "compare time/data_wait_s with time/compute_s and the health/* scalars (throttling, one device hotter "
         "or slower); if one node is degraded, drain it: stop at a checkpoint and restart without it (SLURM "
         "exclude / hot spare)",
     ),
-    "ecc_rising": (
+    Kind.ECC_RISING: (
         "a device's ECC error count is rising: failing memory, which often precedes an uncorrectable error and a crash",
         "checkpoint now (done automatically), then drain the node: stop at that checkpoint and restart on a "
         "spare, excluding this GPU/host",
     ),
-    "straggler": (
+    Kind.STRAGGLER: (
         "one process spends more time on its own work each step than its peers (data, dispatch or other host "
         "work), and in lockstep every process waits for it: the whole group runs at its pace",
         "look at that host (its health line in `status`, its CPU, its input pipeline, a noisy neighbour); with "
         "straggler.action=drain under SLURM with a spare, the supervisor checkpoints and restarts without it",
     ),
-    "disk_full": (
+    Kind.DISK_FULL: (
         "a checkpoint could not be written for want of space: until there is room, no new checkpoint protects "
         "the run, and a restart would fail again at its next save",
         "free space on the checkpoint filesystem (other jobs' files, old runs, a larger quota) or lower "
         "checkpoint.keep_latest; the supervisor restarts from the newest checkpoint once one more fits, and stops "
         "(exit 81) after supervisor.storage_wait_minutes",
     ),
-    "step_overdue": (
+    Kind.STEP_OVERDUE: (
         "no heartbeat progress for a long time: a hang (a collective waiting on a dead or stuck rank), a very "
         "slow checkpoint or a stuck input pipeline",
         "the supervisor dumps the Python stacks, kills and restarts the worker from the last checkpoint when "
@@ -127,15 +149,15 @@ class GradNormTrend:
         h = list(self._hist)
         before, recent = statistics.median(h[: self.window]), statistics.median(h[self.window :])
         ratio = recent / max(before, 1e-12)
-        if ratio > self.rise and "grad_norm_rising" not in self.alerter.open:
+        if ratio > self.rise and Kind.GRAD_NORM_RISING not in self.alerter.open:
             self.alerter.fire(
                 step,
-                "grad_norm_rising",
+                Kind.GRAD_NORM_RISING,
                 f"median grad norm {before:.3g} -> {recent:.3g} (x{ratio:.2f}) over the last {2 * self.window} steps",
                 ratio=ratio,
             )
         elif ratio < (1 + self.rise) / 2:  # hysteresis: no flapping around the threshold
-            self.alerter.clear(step, "grad_norm_rising", f"grad norm trend back to x{ratio:.2f}")
+            self.alerter.clear(step, Kind.GRAD_NORM_RISING, f"grad norm trend back to x{ratio:.2f}")
 
 
 class ThroughputDrop:
@@ -161,13 +183,13 @@ class ThroughputDrop:
             return
         rate = rec["tokens_per_s"]
         self._recent.append(rate)
-        is_open = "throughput_drop" in self.alerter.open
+        is_open = Kind.THROUGHPUT_DROP in self.alerter.open
         if len(self._base) >= max(self._base.maxlen // 2, self.sustain) and len(self._recent) == self.sustain:
             base, now = statistics.median(self._base), statistics.median(self._recent)
             if not is_open and now < self.drop * base:
                 self.alerter.fire(
                     step,
-                    "throughput_drop",
+                    Kind.THROUGHPUT_DROP,
                     f"median tokens/s of the last {self.sustain} steps "
                     f"{now:,.0f} = {now / base:.0%} of the recent median {base:,.0f}",
                     tokens_per_s=now,
@@ -175,7 +197,7 @@ class ThroughputDrop:
                 )
                 is_open = True
             elif is_open and now >= (1 + self.drop) / 2 * base:
-                self.alerter.clear(step, "throughput_drop", f"tokens/s back to {now / base:.0%} of baseline")
+                self.alerter.clear(step, Kind.THROUGHPUT_DROP, f"tokens/s back to {now / base:.0%} of baseline")
                 is_open = False
         if not is_open:
             self._base.append(rate)
@@ -216,15 +238,15 @@ class HealthMonitor:
         if prev is None:
             return None
         rising = {d: n - prev.get(d, n) for d, n in per_dev.items() if n - prev.get(d, n) >= self.ecc_rise}
-        if not rising or "ecc_rising" in self.alerter.open:
+        if not rising or Kind.ECC_RISING in self.alerter.open:
             return None
         detail = ", ".join(f"{d} +{n:.0f} (total {per_dev[d]:.0f})" for d, n in rising.items())
         self.alerter.fire(
-            step, "ecc_rising", f"ECC errors rising: {detail}", devices=sorted(rising), action="checkpoint_now"
+            step, Kind.ECC_RISING, f"ECC errors rising: {detail}", devices=sorted(rising), action=Do.CHECKPOINT_NOW
         )
-        self.alerter.events.write(CHECKPOINT_NOW, step=step, reason="ecc_rising", detail=detail)
+        self.alerter.events.write(CHECKPOINT_NOW, step=step, reason=Kind.ECC_RISING, detail=detail)
         self.alerter.scalars.add(step, {"markers/checkpoint_now": 1.0})
-        return {"do": "checkpoint_now", "reason": "ecc_rising"}
+        return {Do.KEY: Do.CHECKPOINT_NOW, "reason": Kind.ECC_RISING}
 
 
 def write_markers(run_dir: Path, scalars) -> None:

@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.config import PHASES, SupervisorConfig
@@ -113,3 +114,32 @@ def read(path: Path) -> dict | None:
     ):
         return None
     return hb
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Every process's heartbeat as read at one moment: the supervisor reads them once per poll and hands the
+    snapshot to everyone who judges them (the hang check, the straggler watch, the step its events carry)."""
+
+    files: tuple[dict | None, ...]  # as read (None: missing, torn or damaged), whichever attempt wrote them
+    launch: str  # the attempt asked about
+
+    @property
+    def beats(self) -> list[dict | None]:
+        """This attempt's heartbeats (None until the process writes one)."""
+        return [hb if hb and hb.get("launch") == self.launch else None for hb in self.files]
+
+    @property
+    def ready(self) -> bool:
+        """Process 0 beat in this attempt: a worker writes heartbeats only after validating the config."""
+        return self.beats[0] is not None
+
+    @property
+    def step(self) -> int | None:
+        """Process 0's latest step, whichever attempt wrote it: one that fails before its first beat failed at
+        the step the one before it reached."""
+        return self.files[0]["step"] if self.files[0] else None
+
+
+def snapshot(run_dir: Path, processes: int, launch: str) -> Snapshot:
+    return Snapshot(tuple(read(heartbeat_path(run_dir, i)) for i in range(processes)), launch)

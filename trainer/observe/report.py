@@ -13,7 +13,7 @@ from pathlib import Path
 
 from trainer.config import ConfigError
 from trainer.observe import goodput, rundir, runview, status
-from trainer.observe.alerts import ALERTS
+from trainer.observe.alerts import ALERTS, Kind
 from trainer.observe.event_names import (
     ALERT,
     ALERT_CLEARED,
@@ -156,7 +156,7 @@ def plot_grad_norm(v: runview.RunView, plt, out: Path) -> None:
     _series(ax, attempts, "grad_norm", label="grad norm (before clipping)", colour="tab:red", log=True)
     _series(ax, attempts, "update_norm", label="update norm", colour="tab:green", log=True)
     ax.axhline(v.cfg.optim.clip_norm, color="gray", ls=":", label=f"clip norm {v.cfg.optim.clip_norm:g}")
-    _alert_spans(ax, v.events, "grad_norm_rising", "tab:red")
+    _alert_spans(ax, v.events, Kind.GRAD_NORM_RISING, "tab:red")
     _markers(ax, v.events)
     ax.set_ylabel("norm (log scale)")
     ax.set_title("Gradient norm: the leading indicator")
@@ -170,7 +170,7 @@ def plot_throughput(v: runview.RunView, plt, out: Path) -> None:
     rec = next((r for a in attempts for r in a if r.get("mfu") and r["tokens_per_s"]), None)
     _series(ax, attempts, "tokens_per_s", label="tokens/s = MFU (right axis)" if rec else "tokens/s", colour="tab:blue")
     ax.set_ylabel("tokens/s")
-    _alert_spans(ax, v.events, "throughput_drop", "tab:orange")
+    _alert_spans(ax, v.events, Kind.THROUGHPUT_DROP, "tab:orange")
     _markers(ax, v.events)
     saves = sorted({e["step"] for e in v.events if e["event"] == CHECKPOINT_SAVED})
     for i, step in enumerate(saves):

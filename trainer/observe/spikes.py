@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainer.config import RunbookConfig
+from trainer.observe.alerts import Do
 from trainer.observe.event_names import SPIKE_DETECTED, STEP
 from trainer.observe.events import events_newest_first
 
@@ -49,8 +50,8 @@ class _Probe:
 
 
 class SpikeDetector:
-    """A step monitor: returns {"do": "hold"} when a spike starts (the loop freezes updates: LR scale 0, no
-    saves) and {"do": "spike", began, end, batches, ...} when the offending span is known (the loop exits
+    """A step monitor: returns {"do": Do.HOLD} when a spike starts (the loop freezes updates: LR scale 0, no
+    saves) and {"do": Do.SPIKE, began, end, batches, ...} when the offending span is known (the loop exits
     SPIKE). NaN/Inf in loss, grad norm or update norm fires at once, at any step.
 
     The loss fires on one step; the gradient norm, which is heavy-tailed (lone 3x blips that clipping
@@ -131,7 +132,7 @@ class SpikeDetector:
         self._onset, self._grad_high = None, 0
         if probe and self.cfg.probe_steps and step < self.stop_step:
             self._probe = _Probe(fired, bars, end=step, left=self.cfg.probe_steps)
-            return {"do": "hold", "reason": fired["signal"]}
+            return {Do.KEY: Do.HOLD, "reason": fired["signal"]}
         return self._spike(fired, end=step, open_=False, probed=0)
 
     def _probe_step(self, step: int, rec: dict) -> dict | None:
@@ -152,7 +153,7 @@ class SpikeDetector:
 
     def _spike(self, fired: dict, *, end: int, open_: bool, probed: int) -> dict:
         batches = [self.batch_of(s) for s in range(fired["began"], end + 1)]
-        return {"do": "spike", **fired, "end": end, "batches": batches, "open": open_, "probed": probed}
+        return {Do.KEY: Do.SPIKE, **fired, "end": end, "batches": batches, "open": open_, "probed": probed}
 
 
 def _fields(signal: str, value: float, bars: dict) -> dict:

@@ -12,6 +12,7 @@ import sys
 
 from trainer.config import ConfigError
 from trainer.observe import goodput, health, rundir
+from trainer.observe.alerts import Kind
 from trainer.observe.event_names import ALERT, CHECKPOINT_SAVED, COMPILED, HEALTH, RESTART, REWIND, RUNBOOK_EVENTS
 from trainer.observe.progress import fmt_duration, fmt_loss
 from trainer.observe.runview import RunView, latest_evals, ledger_now, load, open_alerts, overdue_limit, run_state
@@ -149,10 +150,10 @@ def _alert_lines(v: RunView, live: bool) -> list[str]:
         live
         and hb
         and v.now - hb["time"] > overdue_limit(v, hb["phase"])
-        and not any(a["kind"] == "step_overdue" for a in alerts)
+        and not any(a["kind"] == Kind.STEP_OVERDUE for a in alerts)
     ):
         silent = fmt_duration(v.now - hb["time"])
-        out.append(f"  ! step_overdue (from the heartbeat): phase {hb['phase']} silent {silent}")
+        out.append(f"  ! {Kind.STEP_OVERDUE} (from the heartbeat): phase {hb['phase']} silent {silent}")
     return out
 
 

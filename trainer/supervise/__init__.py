@@ -1,3 +1,11 @@
 """jax-free: the supervisor and launcher that run the workers, detect crashes, hangs and preemption,
 restart from the last checkpoint and carry out the loss-spike runbook. Must keep working when the
-accelerator stack is broken, so nothing here imports jax (tests/test_layout.py holds that wall)."""
+accelerator stack is broken, so nothing here imports jax (tests/test_layout.py holds that wall).
+
+supervisor.py runs the attempts: each poll reads the heartbeats once (trainer.observe.heartbeat.Snapshot) for
+the hang check (hang.py) and the straggler watch (straggler.py); when an attempt ends, exit_codes.decide() reads
+the exit policy (exit_codes.POLICY, one record per exit code) and the supervisor carries the decision out: the
+runbook (runbook.py), a wait for disk room (storage.py), a replica rewind (replica_rewind.py), a restart, a
+requeue or giving up. launcher.py, group.py, nodes.py and membership.py start a group of workers (local or one
+srun step) and blame nodes; guard.py requeues a job whose supervisor was lost.
+"""

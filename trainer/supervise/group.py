@@ -1,7 +1,7 @@
 """What every attempt's group of worker processes is: a subprocess.Popen look-alike for the supervisor
-(pid, stdout, wait, poll, send_signal), its processes' output as one labelled stream, the spawn that ties a
-child's life to the supervisor's, and which exit codes the workers chose. The kinds of group:
-trainer.supervise.launcher. Never imports jax.
+(pid, stdout, wait, poll, send_signal), its processes' output as one labelled stream, and the spawn that ties a
+child's life to the supervisor's. The kinds of group: trainer.supervise.launcher; which exit codes the workers
+chose: trainer.supervise.exit_codes.POLICY. Never imports jax.
 """
 
 from __future__ import annotations
@@ -15,22 +15,7 @@ import threading
 import time
 from collections.abc import Mapping
 
-from trainer.supervise import exit_codes
-
 PR_SET_PDEATHSIG = 1
-# Exits the worker chose (under SLURM: its node is not suspect); anything else means the group is broken.
-CONTROLLED = (
-    exit_codes.OK,
-    exit_codes.CONFIG,
-    exit_codes.PREEMPTED,
-    exit_codes.SPIKE,
-    exit_codes.REPLICA_MISMATCH,
-    exit_codes.STORAGE,
-)
-# Exits every process makes at the same step, so the peers follow by themselves (within exit_grace_s).
-# A CONFIG exit is not one: it may be one process's start-up failure while the others wait for it; nor is a
-# STORAGE exit: the process whose save failed leaves at once.
-PEERS_FOLLOW = (exit_codes.OK, exit_codes.PREEMPTED, exit_codes.SPIKE, exit_codes.REPLICA_MISMATCH)
 
 
 def die_with_parent() -> None:

@@ -1,16 +1,73 @@
-"""What a hung group points at, and the stacks its workers dump before the kill: the supervisor's helpers
-for a hang (trainer.supervise.supervisor detects it from the heartbeats). No jax here."""
+"""When a group is hung, what it points at, and the stacks its workers dump before the kill: the supervisor's
+helpers for a hang (trainer.supervise.supervisor judges each poll's heartbeats with them). No jax here."""
 
 from __future__ import annotations
 
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.observe import heartbeat, rundir
-from trainer.observe.event_names import STACKS_DUMPED
+from trainer.observe.alerts import ALERTS, Kind
+from trainer.observe.event_names import ALERT, ALERT_CLEARED, STACKS_DUMPED
 from trainer.supervise import group
+
+
+@dataclass(frozen=True)
+class Silence:
+    """The group's silence at one poll: its process most overdue for its own phase's timeout."""
+
+    phase: str
+    since: float  # that process's last beat (the attempt's start, before its first)
+    step: int | None  # the group's lowest step
+    silent_s: float
+    timeout_s: float
+    beats: list  # (phase, time, step, process) per process: what hung_on judges
+
+
+def silence(hbs: list[dict | None], started: float, timeout: Callable[[str], float]) -> Silence:
+    """`hbs`: each process's heartbeat in this attempt (None before its first); `timeout(phase)`: its limit."""
+    # Processes move in lockstep: one waiting in a collective for a slower peer (still compiling, say)
+    # is not hung. The group is hung once every process is overdue for its own phase.
+    beats = [
+        (hb["phase"], hb["time"], hb["step"], i) if hb else ("startup", started, None, i) for i, hb in enumerate(hbs)
+    ]
+    phase, since, step, process = min(beats, key=lambda b: (time.time() - b[1]) / timeout(b[0]))
+    # Say where the group is stuck: its lowest step (hosts dispatch a step ahead of their devices, so the
+    # peers of a hung process may have started the next one before waiting on it).
+    step = min((b[2] for b in beats if b[2] is not None), default=step)
+    return Silence(phase, since, step, time.time() - since, timeout(phase), beats)
+
+
+class Overdue:
+    """ "No step completed for too long": an alert while there is still time to look, well before the hang
+    timeout kills the worker (at `fraction` of it); cleared as soon as the heartbeat moves again."""
+
+    def __init__(self, fraction: float, write: Callable[..., None]):
+        self.fraction, self.write = fraction, write
+        self.about: tuple | None = None  # (pid, heartbeat time) of the silence the open alert is about
+
+    def check(self, pid: int, s: Silence) -> None:
+        limit = self.fraction * s.timeout_s
+        if s.silent_s > limit and self.about is None:
+            self.about = (pid, s.since)
+            meaning, action = ALERTS[Kind.STEP_OVERDUE]
+            self.write(
+                ALERT,
+                step=s.step,
+                kind=Kind.STEP_OVERDUE,
+                phase=s.phase,
+                silent_s=s.silent_s,
+                detail=f"phase {s.phase}: no heartbeat for {s.silent_s:.0f}s (alert at {limit:.0f}s, "
+                f"killed at {s.timeout_s:.0f}s)",
+                meaning=meaning,
+                runbook=action,
+            )
+        elif self.about is not None and self.about != (pid, s.since):
+            self.about = None
+            self.write(ALERT_CLEARED, step=s.step, kind=Kind.STEP_OVERDUE, detail=f"heartbeat moved ({s.phase})")
 
 
 def hung_on(run_dir: Path, proc: group.Group, beats: list, hbs: list[dict | None]) -> tuple[int, str, str]:

@@ -20,7 +20,8 @@ from pathlib import Path
 from trainer.config import ConfigError, LaunchConfig
 from trainer.observe import env_vars, rundir
 from trainer.supervise import exit_codes, guard, membership
-from trainer.supervise.group import CONTROLLED, PEERS_FOLLOW, Group, Merged, die_with_parent, spawn
+from trainer.supervise.exit_codes import CHOSEN, CONSEQUENCES, PEERS_FOLLOW
+from trainer.supervise.group import Group, Merged, die_with_parent, spawn
 from trainer.supervise.nodes import (
     NODE_FAILURE,
     TASK_ERROR,
@@ -106,9 +107,9 @@ _STEP_STARTED = re.compile(r"srun: Step created|\d+: ")
 # step is torn down: a task that really died is reported before its peers' PEER_LOST (they wait
 # trainer.__main__.PEER_DEATH_GRACE_S first); a lost node's task is never reported at all.
 PEER_REPORT_GRACE_S = 2.0
-# Reports that may be consequences, not causes: a survivor's lost peer, and SIGABRT (jax's coordination client
-# aborts when a peer vanishes). The other reports get PEER_REPORT_GRACE_S; any other kind is the cause.
-_CONSEQUENCES = (exit_codes.PEER_LOST, -signal.SIGABRT)
+# Reports that may be consequences, not causes: exit_codes.CONSEQUENCES (a survivor's lost peer, and SIGABRT: jax's
+# coordination client aborts when a peer vanishes). The other reports get PEER_REPORT_GRACE_S; any other kind is
+# the cause.
 # How long srun may wait for a step it cannot create before the attempt is ended and planned again.
 STEP_START_GRACE_S = 15.0
 
@@ -149,7 +150,7 @@ class SrunGroup(Group):
             self.node_failures.append(m.group(1))
         elif (m := TASK_ERROR.search(line)) and (code := task_error_code(m.group(2))) is not None:
             self.errors.append((m.group(1), code))
-            if code in _CONSEQUENCES and not self._peer_lost_t:
+            if code in CONSEQUENCES and not self._peer_lost_t:
                 self._peer_lost_t = time.monotonic()
         elif _STEP_BLOCKED.search(line) and not self.blocked:
             self.blocked, self._blocked_t = line, time.monotonic()
@@ -175,7 +176,7 @@ class SrunGroup(Group):
                 self.send_signal(signal.SIGKILL)
             return None
         # srun reports the worst task code, which is often a peer SLURM killed; the first error is the cause.
-        ranked = sorted(self.errors, key=lambda e: (e[1] == exit_codes.PEER_LOST, e[1] in _CONSEQUENCES))
+        ranked = sorted(self.errors, key=lambda e: (e[1] == exit_codes.PEER_LOST, e[1] in CONSEQUENCES))
         self.returncode = ranked[0][1] if ranked else code
         return self.returncode
 
@@ -228,8 +229,8 @@ class SrunGroup(Group):
             return self.node_failures[0]
         chosen = False
         for n, c in self.errors:
-            chosen |= c in CONTROLLED
-            if c not in (*CONTROLLED, *_CONSEQUENCES) and not (chosen and c == -signal.SIGKILL):
+            chosen |= c in CHOSEN
+            if c not in (*CHOSEN, *CONSEQUENCES) and not (chosen and c == -signal.SIGKILL):
                 return n
         return None
 
@@ -245,7 +246,7 @@ class SrunGroup(Group):
             code = next(c for n, c in self.errors if n == node)
             what = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             return [(node, f"its task failed first ({what})")]
-        if any(c in _CONSEQUENCES for _, c in self.errors):
+        if any(c in CONSEQUENCES for _, c in self.errors):
             reported = {n for n, _ in self.errors}
             return [
                 (n, "its task vanished without a report while its peers lost their connection to it")

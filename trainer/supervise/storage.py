@@ -18,12 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainer.ckpt import files as checkpoint_files
-from trainer.observe.alerts import ALERTS
+from trainer.observe.alerts import ALERTS, Kind
 from trainer.observe.event_names import ALERT, ALERT_CLEARED
 
 POLL_S = 2.0
 MIN_ROOM = 1 << 20  # before the first checkpoint there is no size to go by
-KIND = "disk_full"  # the alert's kind
 
 
 def room_needed(run_dir: Path) -> int:
@@ -54,13 +53,22 @@ def wait_for_room(
         f"the checkpoint disk is full ({have / 2**20:.1f} MiB free, a checkpoint takes {need / 2**20:.1f} MiB): "
         f"waiting up to {minutes:g} min for room, then restarting from the newest checkpoint"
     )
-    meaning, action = ALERTS[KIND]
-    write(ALERT, step=step, kind=KIND, detail=detail, free_bytes=have, need_bytes=need, meaning=meaning, runbook=action)
+    meaning, action = ALERTS[Kind.DISK_FULL]
+    write(
+        ALERT,
+        step=step,
+        kind=Kind.DISK_FULL,
+        detail=detail,
+        free_bytes=have,
+        need_bytes=need,
+        meaning=meaning,
+        runbook=action,
+    )
     print(f"supervisor: {detail}", file=sys.stderr, flush=True)
     deadline, t0 = time.monotonic() + minutes * 60, time.monotonic()
     while time.monotonic() < deadline and not stop():
         time.sleep(POLL_S)
         if (have := free_bytes(run_dir)) >= need:
-            write(ALERT_CLEARED, step=step, kind=KIND, free_bytes=have, waited_s=time.monotonic() - t0)
+            write(ALERT_CLEARED, step=step, kind=Kind.DISK_FULL, free_bytes=have, waited_s=time.monotonic() - t0)
             return True
     return False

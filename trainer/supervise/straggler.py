@@ -31,13 +31,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from trainer.config import StragglerConfig
-from trainer.observe.alerts import ALERTS
+from trainer.observe.alerts import ALERTS, Kind
 from trainer.observe.event_names import ALERT, ALERT_CLEARED, STRAGGLER, STRAGGLER_CLEARED
 
 CRITICAL = 0.1  # a process waiting less than this part of the step is the one its peers wait for
 EXPLAINS = 0.5  # ... and its excess own time must account for at least this part of what the group lost
 SECTIONS = ("data", "dispatch", "host")  # where a straggler's own time goes (host: the rest of it)
 _KEYS = ("n", "step_s", "wait_s", "data_s", "dispatch_s", "sync")
+# What StragglerWatch.observe reports: a verdict declared, or its process no slower any more.
+DECLARED = "straggler"
+CLEARED = "cleared"
 
 
 @dataclass
@@ -119,7 +122,7 @@ class StragglerWatch:
             else:
                 self._calm += 1
                 if self._calm >= self.cfg.windows:
-                    out.append(("cleared", self._close()))
+                    out.append((CLEARED, self._close()))
         if self.open is None and found:
             p = max(found, key=lambda q: found[q].slowdown)
             n, lost, steps = self._streak[p]
@@ -127,7 +130,7 @@ class StragglerWatch:
                 v = found[p]
                 v.lost_s, v.steps = lost, steps
                 self.open, self._calm, self.lost_s = v, 0, 0.0
-                out.append(("straggler", v))
+                out.append((DECLARED, v))
         return out
 
     def _admit_calm(self, step: float) -> None:
@@ -200,12 +203,12 @@ def describe(v: Verdict) -> str:
 def report(what: str, v: Verdict, write: Callable, step: int | None) -> None:
     """A verdict ("straggler": its event, an alert and a line on stderr) or its end ("cleared": the seconds
     lost since the verdict, and the alert cleared), into the run's events."""
-    if what == "cleared":
+    if what == CLEARED:
         write(STRAGGLER_CLEARED, step=step, process=v.process, node=v.node, lost_s=v.lost_s)
-        write(ALERT_CLEARED, step=step, kind="straggler", detail=f"process {v.process}: verdict ended")
+        write(ALERT_CLEARED, step=step, kind=Kind.STRAGGLER, detail=f"process {v.process}: verdict ended")
         return
     detail = describe(v)
-    meaning, action = ALERTS["straggler"]
+    meaning, action = ALERTS[Kind.STRAGGLER]
     write(STRAGGLER, step=step, **asdict(v))
-    write(ALERT, step=step, kind="straggler", detail=detail, meaning=meaning, runbook=action)
+    write(ALERT, step=step, kind=Kind.STRAGGLER, detail=detail, meaning=meaning, runbook=action)
     print(f"supervisor: straggler: {detail}", file=sys.stderr)

@@ -19,10 +19,7 @@ from pathlib import Path
 
 from trainer.config import Config
 from trainer.observe import env_vars, goodput, heartbeat, outcome, progress, rundir
-from trainer.observe.alerts import ALERTS
 from trainer.observe.event_names import (
-    ALERT,
-    ALERT_CLEARED,
     GAVE_UP,
     HANG_DETECTED,
     NODE_RETRIED,
@@ -50,6 +47,7 @@ class Attempt:
     hang: bool = False
     stragglers: straggler.StragglerWatch | None = None  # with more than one process
     drain: straggler.Verdict | None = None  # straggler.action=drain asked the group to save and stop
+    last: heartbeat.Snapshot | None = None  # its heartbeats once it has exited
 
 
 # How often a shrunk group checks whether it can regrow (launch.suspect_retry_minutes).
@@ -63,10 +61,13 @@ class Supervisor:
         self.worker_argv = [sys.executable, "-m", "trainer", "--worker", *argv]
         # Held back until a worker has accepted the config: a bad config never writes into an existing run dir.
         self.events = EventLog(self.run_dir / rundir.EVENTS, by="supervisor", hold=True)
-        self.stop_signal: int | None = None
+        self.stop_signal: int | None = None  # the first SIGTERM or SIGINT the supervisor got
+        self.forwarded = False  # ... passed on to the workers (once only)
+        self.tally = exit_codes.Tally()  # the failure counters across attempts
+        self.t0 = time.time()  # the session's start (run() sets it)
         self.accepted = False  # the worker got past config validation at least once
         self.launcher = launcher.Launcher(cfg.launch, run_dir=self.run_dir)
-        self.overdue: tuple | None = None  # (pid, heartbeat time) of the silence a step_overdue alert is about
+        self.overdue = hang.Overdue(cfg.alerts.overdue_fraction, self.events.write)
         self.regrow = False  # the running group was asked to save and stop so that it restarts at full size
         self._regrow_checked = 0.0
 
@@ -111,67 +112,33 @@ class Supervisor:
     def _timeout(self, phase: str) -> float:
         return heartbeat.phase_timeout(self.sc, phase)
 
-    def _heartbeats(self, att: Attempt) -> list[dict | None]:
-        """Each process's heartbeat from this attempt (None until it writes one)."""
-        hbs = [heartbeat.read(heartbeat.heartbeat_path(self.run_dir, i)) for i in range(att.proc.processes)]
-        return [hb if hb and hb.get("launch") == att.proc.launch_id else None for hb in hbs]
+    def _snapshot(self, att: Attempt) -> heartbeat.Snapshot:
+        return heartbeat.snapshot(self.run_dir, att.proc.processes, att.proc.launch_id)
 
-    def _check_hang(self, att: Attempt, hbs: list[dict | None]) -> bool:
-        # Processes move in lockstep: one waiting in a collective for a slower peer (still compiling, say)
-        # is not hung. The group is hung once every process is overdue for its own phase.
-        beats = [
-            (hb["phase"], hb["time"], hb["step"], i) if hb else ("startup", att.started, None, i)
-            for i, hb in enumerate(hbs)
-        ]
-        phase, since, step, process = min(beats, key=lambda b: (time.time() - b[1]) / self._timeout(b[0]))
-        # Say where the group is stuck: its lowest step (hosts dispatch a step ahead of their devices, so the
-        # peers of a hung process may have started the next one before waiting on it).
-        step = min((b[2] for b in beats if b[2] is not None), default=step)
-        silent = time.time() - since
-        self._warn_overdue(att, phase, since, silent, step)
-        if silent <= self._timeout(phase):
+    def _check_hang(self, att: Attempt, snap: heartbeat.Snapshot) -> bool:
+        s = hang.silence(snap.beats, att.started, self._timeout)
+        self.overdue.check(att.proc.pid, s)
+        if s.silent_s <= s.timeout_s:
             return False
-        culprit, node, why = hang.hung_on(self.run_dir, att.proc, beats, self._heartbeats(att))
+        culprit, node, why = hang.hung_on(self.run_dir, att.proc, s.beats, snap.beats)
         self.events.open()
         self.events.write(
             HANG_DETECTED,
-            step=step,
+            step=s.step,
             pid=att.proc.pid,
-            phase=phase,
-            silent_s=silent,
-            timeout_s=self._timeout(phase),
+            phase=s.phase,
+            silent_s=s.silent_s,
+            timeout_s=s.timeout_s,
             process=culprit,
             node=node,
             why=why,
         )
         if node:
             att.proc.blame_node(node, why)
-        hang.dump_stacks(self.run_dir, att.proc, self._heartbeats(att), self.events.write)
+        hang.dump_stacks(self.run_dir, att.proc, snap.beats, self.events.write)
         att.hang = True
         att.proc.send_signal(signal.SIGKILL)
         return True
-
-    def _warn_overdue(self, att: Attempt, phase: str, since: float, silent: float, step) -> None:
-        """ "No step completed for too long": an alert while there is still time to look, well before the
-        hang timeout kills the worker; cleared as soon as the heartbeat moves again."""
-        limit = self.cfg.alerts.overdue_fraction * self._timeout(phase)
-        if silent > limit and self.overdue is None:
-            self.overdue = (att.proc.pid, since)
-            meaning, action = ALERTS["step_overdue"]
-            self.events.write(
-                ALERT,
-                step=step,
-                kind="step_overdue",
-                phase=phase,
-                silent_s=silent,
-                detail=f"phase {phase}: no heartbeat for {silent:.0f}s (alert at {limit:.0f}s, "
-                f"killed at {self._timeout(phase):.0f}s)",
-                meaning=meaning,
-                runbook=action,
-            )
-        elif self.overdue is not None and self.overdue != (att.proc.pid, since):
-            self.overdue = None
-            self.events.write(ALERT_CLEARED, step=step, kind="step_overdue", detail=f"heartbeat moved ({phase})")
 
     def _wait(self, att: Attempt) -> int:
         """Block until the worker exits; returns its code (negative = killed by that signal)."""
@@ -180,33 +147,32 @@ class Supervisor:
                 return att.proc.wait(timeout=self.sc.poll_s)
             except subprocess.TimeoutExpired:
                 pass
-            if not self.accepted and _ready(self.run_dir, att.proc.launch_id):
+            snap = self._snapshot(att)  # read once a poll: everyone who judges the heartbeats shares it
+            if not self.accepted and snap.ready:
                 self.accepted = True
                 self.events.open()
             if self.accepted:
                 self.launcher.start_guard(self.run_dir)
-            if self.stop_signal not in (None, -1):
+            if self.stop_signal is not None and not self.forwarded:
                 # Once only: a second SIGTERM landing while a worker exits (its handler already gone) kills it.
                 att.proc.send_signal(signal.SIGTERM)
-                self.stop_signal = -1  # forwarded once; now wait for the save
+                self.forwarded = True  # now wait for the save
             if not self.accepted:
                 continue
-            hbs = self._heartbeats(att)  # read once a poll: the hang check and the straggler watch share them
-            if self._check_hang(att, hbs):
+            if self._check_hang(att, snap):
                 return att.proc.wait()
-            self._watch_stragglers(att, hbs)
+            self._watch_stragglers(att, snap)
             self._maybe_regrow(att)
 
-    def _watch_stragglers(self, att: Attempt, hbs: list[dict | None]) -> None:
+    def _watch_stragglers(self, att: Attempt, snap: heartbeat.Snapshot) -> None:
         """The straggler verdicts from the heartbeats' timing: an event and an alert naming the process and its
         node; with straggler.action=drain and somewhere to run without that node, a save-and-stop (as on a
         preemption) and a restart that excludes it."""
         if att.stragglers is None or att.drain is not None:
             return
-        step = _last_step(self.run_dir)
-        for what, v in att.stragglers.observe(hbs, att.proc.launch_id):
-            straggler.report(what, v, self.events.write, step)
-            if what != "straggler" or self.cfg.straggler.action != "drain":
+        for what, v in att.stragglers.observe(snap.beats, att.proc.launch_id):
+            straggler.report(what, v, self.events.write, snap.step)
+            if what != straggler.DECLARED or self.cfg.straggler.action != "drain":
                 continue
             if not (n := self.launcher.drain_plan(v.node)):
                 print("supervisor: straggler.action=drain, but nowhere to run without it: alert only", file=sys.stderr)
@@ -227,106 +193,108 @@ class Supervisor:
             print("supervisor: nodes are back: saving to restart at full size", file=sys.stderr)
             att.proc.send_signal(signal.SIGTERM)
 
-    # --- policy -----------------------------------------------------------------------------
+    # --- policy: trainer.supervise.exit_codes decides, the supervisor carries it out --------
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        t0 = time.time()
+        self.t0 = time.time()
         self.events.write(SUPERVISOR_START, pid=os.getpid())
-        same_step_failures, restarts, last_fail_step, blocked_streak = 0, 0, "unset", 0
-        interim_ledger = False
-        number = 0
+        number, interim_ledger = 0, False
         while True:
             number += 1
             att = self._start(number)
             if interim_ledger:  # off the critical path: the new worker is already starting up
-                self._write_ledger(t0, restarts, final=False)
-                interim_ledger = False
-            code = self._wait(att)
-            rundir.drop_empty_stacks(self.run_dir)  # every worker opens one; only a hang dump fills it
-            step = _last_step(self.run_dir)
-            self.events.write(
-                WORKER_EXIT,
-                step=step,
-                pid=att.proc.pid,
-                attempt=number,
-                **att.proc.describe_exit(),
-                **({"signal": signal.Signals(-code).name} if code < 0 else {"exit_code": code}),
-            )
-            if code == exit_codes.CONFIG and not self.accepted:
-                return exit_codes.CONFIG
+                self._write_ledger(_last_step(self.run_dir), final=False)
+            ended = self._ended(att, self._wait(att))
+            d = exit_codes.decide(ended, self.tally, self.sc)
+            if d.do == exit_codes.REFUSED:
+                return d.code
             self.events.open()
             self.accepted = True
             if att.stragglers is not None and (v := att.stragglers.end()):  # the seconds lost since its verdict
-                straggler.report("cleared", v, self.events.write, step)
-            if code == exit_codes.OK:
-                return self._complete(t0, restarts)
-            if code == exit_codes.PREEMPTED and att.drain is not None and self.stop_signal is None:
-                self.events.write(STRAGGLER_DRAINED, step=step, process=att.drain.process, node=att.drain.node)
-                continue
-            if code == exit_codes.PREEMPTED and self.regrow and self.stop_signal is None:
-                self.regrow = False
-                self.events.write(REGROW, step=step, processes=att.proc.processes, to=self.cfg.launch.processes)
-                continue
-            if code == exit_codes.PREEMPTED or self.stop_signal is not None:
-                self.events.write(PREEMPTED, step=step)
-                print(
-                    f"supervisor: preempted at step {step}; checkpoint saved. Re-run the same command "
-                    f"(or requeue the job) to resume.",
-                    file=sys.stderr,
-                )
-                self._write_ledger(t0, restarts)
-                return exit_codes.PREEMPTED
-            if code == exit_codes.CONFIG:
-                return exit_codes.CONFIG
-            if code == exit_codes.SPIKE:  # the loss-spike runbook: rewind + skip or soften, restart at once
-                outcome = runbook.respond(self.run_dir, self.cfg, self.events.write)
-                print(f"supervisor: {outcome.message}", file=sys.stderr)
-                if outcome.action == runbook.GIVE_UP:
-                    self._write_ledger(t0, restarts)
-                    return exit_codes.RUNBOOK_GAVE_UP
-                continue
-            if code == exit_codes.STORAGE and not storage.wait_for_room(  # room for one more, or a human
-                self.run_dir, self.sc.storage_wait_minutes, self.events.write, step=step, stop=self._stopping
-            ):
-                return self._give_up(code, step, "a checkpoint could not be written", att, t0, restarts)
-            reason = "hang" if att.hang else f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            reason = "disk full" if code == exit_codes.STORAGE else reason
-            if code == exit_codes.REPLICA_MISMATCH:  # silent data corruption: back to a checked state, then restart
-                nodes = [(hb or {}).get("node", "") for hb in self._heartbeats(att)]
-                line, culprit = replica_rewind.rewind(self.run_dir, self.events.write, tag=number, nodes=nodes)
-                print(f"supervisor: {line}", file=sys.stderr)
-                if culprit:
-                    att.proc.blame_node(*culprit)
-                reason = "replica mismatch"
-            # A crash loop is the same step failing again and again; random faults land elsewhere. An attempt
-            # whose srun step never started (its nodes still held) ran nothing: it backs off, bounded by the
-            # restart budget, but is no crash.
-            blocked = bool(att.proc.describe_exit().get("step_blocked"))
-            if blocked:
-                reason = "step could not start"
-                blocked_streak += 1
-            else:
-                blocked_streak = 0
-                same_step_failures = same_step_failures + 1 if step == last_fail_step else 1
-                last_fail_step = step
-            if same_step_failures >= self.sc.crash_loop_restarts:
-                return self._give_up(exit_codes.CRASH_LOOP, step, reason, att, t0, restarts)
-            if restarts >= self.sc.max_restarts:
-                return self._give_up(exit_codes.RESTART_BUDGET, step, reason, att, t0, restarts)
-            # A failure at a new step restarts at once: each second here is the whole cluster idle. Only a
-            # step that fails again backs off (exponentially, bounded), e.g. for a flaky filesystem.
-            tries = blocked_streak + 1 if blocked else same_step_failures
-            delay = 0.0 if tries == 1 else min(self.sc.backoff_s * 2 ** (tries - 2), self.sc.backoff_max_s)
-            restarts += 1
-            self.events.write(RESTART, step=step, reason=reason, attempt=number + 1, backoff_s=delay)
-            interim_ledger = True
+                straggler.report(straggler.CLEARED, v, self.events.write, ended.step)
+            if (failed := self._remedy(d, att, ended.step)) is not None:
+                return failed
+            self.tally = d.tally
+            if d.do == exit_codes.RESTART:
+                self._restart(d, number, ended.step)
+            elif d.do != exit_codes.RESUME:
+                return self._stop(d, att, ended.step)
+            interim_ledger = d.do == exit_codes.RESTART
+
+    def _ended(self, att: Attempt, code: int) -> exit_codes.Exited:
+        """The worker_exit event, and what happened, for exit_codes.decide()."""
+        rundir.drop_empty_stacks(self.run_dir)  # every worker opens one; only a hang dump fills it
+        att.last = self._snapshot(att)  # the worker is gone: its last beats
+        how = att.proc.describe_exit()
+        self.events.write(
+            WORKER_EXIT,
+            step=att.last.step,
+            pid=att.proc.pid,
+            attempt=att.number,
+            **how,
+            **({"signal": signal.Signals(-code).name} if code < 0 else {"exit_code": code}),
+        )
+        return exit_codes.Exited(
+            code,
+            att.last.step,
+            accepted=self.accepted,
+            stopping=self._stopping(),
+            draining=att.drain is not None,
+            regrowing=self.regrow,
+            hung=att.hang,
+            blocked=bool(how.get("step_blocked")),
+        )
+
+    def _remedy(self, d: exit_codes.Decision, att: Attempt, step: int | None) -> int | None:
+        """What runs between the attempts (exit_codes.Rule.remedy); the exit code if it failed."""
+        if d.remedy == exit_codes.DRAIN:
+            self.events.write(STRAGGLER_DRAINED, step=step, process=att.drain.process, node=att.drain.node)
+        elif d.remedy == exit_codes.REGROW:
+            self.regrow = False
+            self.events.write(REGROW, step=step, processes=att.proc.processes, to=self.cfg.launch.processes)
+        elif d.remedy == exit_codes.RUNBOOK:  # the loss-spike runbook: rewind + skip or soften, restart at once
+            response = runbook.respond(self.run_dir, self.cfg, self.events.write)
+            print(f"supervisor: {response.message}", file=sys.stderr)
+            if response.action == runbook.GIVE_UP:
+                self._write_ledger(step)
+                return d.fails_as
+        elif d.remedy == exit_codes.WAIT_FOR_ROOM:  # room for one more checkpoint, or a human
+            wait = self.sc.storage_wait_minutes
+            if not storage.wait_for_room(self.run_dir, wait, self.events.write, step=step, stop=self._stopping):
+                return self._give_up(d.fails_as, step, "a checkpoint could not be written", att)
+        elif d.remedy == exit_codes.REWIND_REPLICAS:  # silent data corruption: back to a checked state
+            nodes = [(hb or {}).get("node", "") for hb in att.last.beats]
+            line, culprit = replica_rewind.rewind(self.run_dir, self.events.write, tag=att.number, nodes=nodes)
+            print(f"supervisor: {line}", file=sys.stderr)
+            if culprit:
+                att.proc.blame_node(*culprit)
+        return None
+
+    def _restart(self, d: exit_codes.Decision, number: int, step: int | None) -> None:
+        restarts = d.tally.restarts
+        self.events.write(RESTART, step=step, reason=d.reason, attempt=number + 1, backoff_s=d.backoff_s)
+        print(
+            f"supervisor: worker failed ({d.reason}) at step {step}; restarting in {d.backoff_s:.1f}s "
+            f"(restart {restarts}/{self.sc.max_restarts})",
+            file=sys.stderr,
+        )
+        time.sleep(d.backoff_s)
+
+    def _stop(self, d: exit_codes.Decision, att: Attempt, step: int | None) -> int:
+        if d.do == exit_codes.FINISH:
+            return self._complete(step)
+        if d.do == exit_codes.GIVE_UP:
+            return self._give_up(d.code, step, d.reason, att)
+        if d.do == exit_codes.REQUEUE:
+            self.events.write(PREEMPTED, step=step)
             print(
-                f"supervisor: worker failed ({reason}) at step {step}; restarting in {delay:.1f}s "
-                f"(restart {restarts}/{self.sc.max_restarts})",
+                f"supervisor: preempted at step {step}; checkpoint saved. Re-run the same command "
+                f"(or requeue the job) to resume.",
                 file=sys.stderr,
             )
-            time.sleep(delay)
+            self._write_ledger(step)
+        return d.code
 
     def _stopping(self) -> bool:
         return self.stop_signal is not None
@@ -335,12 +303,12 @@ class Supervisor:
         if self.stop_signal is None:
             self.stop_signal = signum
 
-    def _give_up(self, code: int, step, reason: str, att: Attempt, t0: float, restarts: int) -> int:
-        what = exit_codes.NAMES[code]
+    def _give_up(self, code: int, step: int | None, reason: str, att: Attempt) -> int:
+        what, restarts = exit_codes.NAMES[code], self.tally.restarts
         last = "\n".join([t for t in att.tail if not is_library_noise(t)][-10:])
         self.events.write(GAVE_UP, step=step, reason=what, last_error=reason, restarts=restarts)
         try:
-            self._write_ledger(t0, restarts)
+            self._write_ledger(step)
         except OSError as e:  # a full disk (exit STORAGE) must not hide the message below behind a traceback
             print(f"supervisor: could not write the goodput ledger: {e}", file=sys.stderr)
         why = (
@@ -352,19 +320,20 @@ class Supervisor:
         print(f"supervisor: giving up ({what}): {why}. Last worker output:\n{last}", file=sys.stderr)
         return code
 
-    def _complete(self, t0: float, restarts: int) -> int:
+    def _complete(self, step: int | None) -> int:
         end = outcome.worker_end(self.run_dir)  # the run is complete, or stopped at train.stop_at_step
-        self.events.write(end["event"] if end else RUN_COMPLETE, step=_last_step(self.run_dir), restarts=restarts)
-        self._write_ledger(t0, restarts)
+        self.events.write(end["event"] if end else RUN_COMPLETE, step=step, restarts=self.tally.restarts)
+        self._write_ledger(step)
         if line := outcome.end_line(self.run_dir):
             print(line, file=sys.stderr)
         return exit_codes.OK
 
-    def _write_ledger(self, t0: float, restarts: int, *, final: bool = True) -> None:
+    def _write_ledger(self, step: int | None, *, final: bool = True) -> None:
         """Goodput to TensorBoard (at each restart too, so the dashboard shows it during the run); at the
         end of a session also into summary.json, followed by the run report."""
-        ledger = goodput.ledger(read_events(self.run_dir / rundir.EVENTS), t0, time.time())
-        goodput.to_tensorboard(self.run_dir / rundir.TENSORBOARD, ledger, restarts, _last_step(self.run_dir) or 0)
+        restarts = self.tally.restarts
+        ledger = goodput.ledger(read_events(self.run_dir / rundir.EVENTS), self.t0, time.time())
+        goodput.to_tensorboard(self.run_dir / rundir.TENSORBOARD, ledger, restarts, step or 0)
         if not final:
             return
         path = self.run_dir / rundir.SUMMARY
@@ -377,11 +346,6 @@ class Supervisor:
             from trainer.observe import report  # matplotlib: loaded only when a run ends
 
             report.write_safely(self.run_dir, self.events.write)
-
-
-def _ready(run_dir: Path, launch_id: str) -> bool:
-    hb = heartbeat.read(heartbeat.heartbeat_path(run_dir, 0))
-    return bool(hb and hb.get("launch") == launch_id)  # the worker writes heartbeats only after validating
 
 
 def _last_step(run_dir: Path) -> int | None:

@@ -8,6 +8,7 @@ import sys
 import time
 
 from trainer.observe import rundir
+from trainer.observe.alerts import Do
 from trainer.observe.event_names import (
     CHECKPOINT_FAILED,
     PREEMPTED,
@@ -60,7 +61,7 @@ def finish(w: Worker, st, step: int, loss: float | None) -> None:
 def spike_exit(w: Worker, flags: Flags) -> int:
     """Leave without saving: the state after a spike is what the runbook rewinds away from."""
     spike = flags.spike or {}
-    w.events.write(SPIKE_EXIT, step=spike.get("step"), **{k: v for k, v in spike.items() if k not in ("do", "step")})
+    w.events.write(SPIKE_EXIT, step=spike.get("step"), **{k: v for k, v in spike.items() if k not in (Do.KEY, "step")})
     w.ckpt.close()  # let saves of earlier, good steps finish
     w.events.close()
     return exit_codes.SPIKE

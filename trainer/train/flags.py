@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from trainer.observe.alerts import Do
 from trainer.parallel import agree
 
 
@@ -20,12 +21,12 @@ class Flags:
     lr_scale_now: float = 1.0  # the LR scale in the device state (hold and nan/spike faults change it)
 
     def act(self, step: int, action: dict) -> None:
-        """Monitors answer with {"do": "checkpoint_now" | "hold" | "spike", ...}; the loop carries it out."""
-        if action["do"] == "checkpoint_now":
+        """Monitors answer with {"do": one of trainer.observe.alerts.Do, ...}; the loop carries it out."""
+        if action[Do.KEY] == Do.CHECKPOINT_NOW:
             self.save_now = action.get("reason", "requested")
-        elif action["do"] == "spike":
+        elif action[Do.KEY] == Do.SPIKE:
             self.spike = dict(action, step=step)
-        elif action["do"] == "hold":
+        elif action[Do.KEY] == Do.HOLD:
             self.hold_asked = True
 
 
