@@ -17,7 +17,7 @@ from conftest import COMPILE_CACHE, ROOT, TINY, child_env, sets, summary
 import trainer
 
 BLOCKED = ("jax", "jaxlib", "flax", "optax", "orbax", "grain", "tensorstore")
-JAX_FREE_PACKAGES = ("supervise", "observe", "survival", "corpus", "drill", "faults")
+JAX_FREE_PACKAGES = ("config", "supervise", "observe", "survival", "corpus", "drill", "faults")
 # jax-free modules inside a jax-side package: the checkpoint files as the supervisor, status and audit read them
 JAX_FREE_MODULES = ("trainer.ckpt", "trainer.ckpt.files", "trainer.ckpt.manifest")
 # Importing a blocked package raises at once, wherever the import statement sits (a lazy one too).
