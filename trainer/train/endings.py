@@ -27,6 +27,7 @@ from trainer.train.worker import Worker
 def end(w: Worker, flags: Flags, st, step: int, loss: float) -> int:
     w.heartbeat.beat("checkpoint", step)
     w.ckpt.close()  # durable (and sealed) before we report anything as saved
+    w.ckpt.drop_failed_local()
     if w.ckpt.failure():
         return storage_exit(w, step)
     if step < w.cfg.train.steps:  # ended early: a SIGTERM's requeue, or train.stop_at_step (a SIGTERM in the
@@ -84,6 +85,7 @@ def replica_exit(w: Worker, step: int, last_good: int, bad: dict) -> int:
 def storage_exit(w: Worker, step: int) -> int:
     """A checkpoint could not be written: say why and stop (a restart would only fill the disk again). No
     waiting on the failed save: a peer's background writer may wait in a barrier for it until a timeout."""
+    w.ckpt.drop_failed_local()  # its event first, as a failed local save is said at every step
     msg = w.ckpt.failure() or "a checkpoint could not be written"
     w.events.write(CHECKPOINT_FAILED, step=step, tier="durable", message=msg)
     print(f"worker: {msg}", file=sys.stderr, flush=True)

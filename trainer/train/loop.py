@@ -282,6 +282,7 @@ def _agree(
             failed=bool(w.ckpt.failure()),
         ),
     )
+    w.ckpt.drop_failed_local()  # a local save that failed in the background: an event, the local tier off
     flags.stop |= shared.stop  # a peer's SIGTERM stops this process too; a signal landing meanwhile is kept
     flags.hold = shared.hold
     save = policy.decide(

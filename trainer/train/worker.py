@@ -228,9 +228,9 @@ def setup(cfg: Config) -> Worker:
     shape = mesh_lib.mesh_shape(cfg.mesh, jax.device_count())
     microbatches = elastic_microbatches(cfg, jax.process_count())
     validate_shapes(cfg, shape, jax.process_count(), microbatches, corpus)
-    saved = tiers.saved_meta(run_dir, cfg.checkpoint)
-    changes = check_resume(saved, cfg, corpus.fingerprint) if saved else []
-    init_from = saved.get("init_from") if saved else weights.init_source(cfg)  # a resume never re-applies it
+    saved = tiers.saved_meta(run_dir, cfg.checkpoint)  # read once: the restore of that step uses it too
+    changes = check_resume(saved.record, cfg, corpus.fingerprint) if saved else []
+    init_from = saved.record.get("init_from") if saved else weights.init_source(cfg)  # a resume never re-applies it
 
     primary = jax.process_index() == 0
     if primary and mesh_lib.kv_replicated(cfg.model, shape[2]):
@@ -244,7 +244,7 @@ def setup(cfg: Config) -> Worker:
     events = EventLog(run_dir / rundir.EVENTS, enabled=primary)
     rb = runbook.RunbookState.load(run_dir, cfg.optim)
     _record_start(cfg, events, rb, corpus, data_s, changes=changes, primary=primary)
-    _announce_changes(cfg, events, saved, microbatches, primary=primary)
+    _announce_changes(cfg, events, saved and saved.record, microbatches, primary=primary)
     mesh = mesh_lib.make_mesh(cfg.mesh)
     spec = state_spec(cfg, mesh)
     scalars = _scalars(cfg, primary=primary, fresh=not saved)
@@ -271,6 +271,7 @@ def setup(cfg: Config) -> Worker:
             pinned=pins,
             rewinds=[h["to"] for h in rb.history if h["action"] in RUNBOOK_RETRIES],
             commit_delay=faults.commit_delay if faults.slow_saves() else None,
+            saved=saved,
         ),
         events=events,
         scalars=scalars,
