@@ -520,7 +520,7 @@ MUTATIONS = [
         (
             (
                 "trainer/train/endings.py",
-                '    w.events.write(CHECKPOINT_FAILED, step=step, tier="durable", message=msg)\n',
+                "    w.events.write(CHECKPOINT_FAILED, step=step, tier=DURABLE, message=msg)\n",
                 "",
             ),
         ),

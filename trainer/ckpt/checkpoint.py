@@ -132,8 +132,8 @@ def _slow_commits(delay_s: Callable[[int], float]) -> type:
 
 
 class Checkpointer:
-    """One tier's Orbax manager. `tier="durable"`: shared storage, one checkpoint written by all processes
-    together. `tier="local"`: this process's own directory on node-local storage."""
+    """One tier's Orbax manager. `tier` DURABLE: shared storage, one checkpoint written by all processes
+    together. LOCAL: this process's own directory on node-local storage."""
 
     def __init__(
         self,

@@ -292,7 +292,7 @@ class Tiers:
 
     def _restore(self, ck: Checkpointer, step: int, abstract_state: Any) -> tuple[Restored | None, dict | None]:
         restored: list[Restored] = []
-        meta = lambda: self._meta(ck.step_dir(step))  # noqa: E731
+        meta = lambda: self._meta(ck.step_dir(step))
         problem = agreed(lambda: _unreadable(lambda: restored.append(ck.restore(step, abstract_state, meta=meta))))
         return (restored[0] if problem is None else None), problem
 

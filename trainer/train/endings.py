@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from trainer.ckpt.files import DURABLE
 from trainer.observe import rundir
 from trainer.observe.event_names import (
     CHECKPOINT_FAILED,
@@ -87,7 +88,7 @@ def storage_exit(w: Worker, step: int) -> int:
     waiting on the failed save: a peer's background writer may wait in a barrier for it until a timeout."""
     w.ckpt.drop_failed_local()  # its event first, as a failed local save is said at every step
     msg = w.ckpt.failure() or "a checkpoint could not be written"
-    w.events.write(CHECKPOINT_FAILED, step=step, tier="durable", message=msg)
+    w.events.write(CHECKPOINT_FAILED, step=step, tier=DURABLE, message=msg)
     print(f"worker: {msg}", file=sys.stderr, flush=True)
     w.events.close()
     w.scalars.close()
