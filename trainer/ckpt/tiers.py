@@ -36,9 +36,8 @@ def saved_meta(run_dir: Path, cfg: CheckpointConfig) -> Meta | None:
     dirs = [checkpoint_files.durable_dir(run_dir)]
     if cfg.local_dir:
         dirs.append(checkpoint_files.local_dir(cfg.local_dir, run_dir, jax.process_index(), buddy.node_name()))
-    # At one step the local copy first: the restore prefers it too, and then reads no metadata again.
-    found = [(s, d) for d in reversed(dirs) for s in checkpoint_files.committed_steps(d)]
-    for step, d in sorted(found, key=lambda f: f[0], reverse=True):
+    found = [(s, d) for d in dirs for s in checkpoint_files.committed_steps(d)]
+    for step, d in sorted(found, key=lambda f: f[0], reverse=True):  # at one step the durable one first
         try:
             return checkpoint_files.read_meta(d / str(step))
         except Exception:  # torn or corrupt: an older one answers the same question
@@ -139,7 +138,7 @@ class Tiers:
 
     def drop_failed_local(self) -> None:
         """A local save that failed in the background (its sealing thread saw it): an event, and the local tier
-        off until restart (the durable tier still protects the run). Called every step, after `failure`."""
+        off until restart (the durable tier still protects the run). Called every step, beside `failure`."""
         if self.local and self.local.failure:
             self._local_failed()
 
