@@ -350,14 +350,14 @@ MUTATIONS = [
     M(
         "local_copy_of_another_mesh_used",
         "a local copy saved under another mesh is restored",
-        (("trainer/ckpt/tiers.py", ' or meta.get("mesh") != layout["mesh"]:', ":"),),
+        (("trainer/ckpt/tiers.py", ' or saved.get("mesh") != layout["mesh"]:', ":"),),
         ("tests/test_tiers.py::test_a_local_copy_is_used_only_with_the_mesh_and_process_count_it_was_saved_under",),
         catch='"another mesh"',
     ),
     M(
         "local_copy_of_another_process_count_used",
         "a local copy saved with another process count is restored",
-        (("trainer/ckpt/tiers.py", 'meta.get("processes") != layout["processes"] or ', ""),),
+        (("trainer/ckpt/tiers.py", 'saved.get("processes") != layout["processes"] or ', ""),),
         ("tests/test_tiers.py::test_a_local_copy_is_used_only_with_the_mesh_and_process_count_it_was_saved_under",),
         catch='"another process count"',
     ),
@@ -367,7 +367,7 @@ MUTATIONS = [
         (
             (
                 "trainer/ckpt/tiers.py",
-                'stale = any(to < step for to in self.rewinds[int(meta.get("lineage", 0)) :])',
+                "stale = any(to < step for to in self.rewinds[meta.lineage :])",
                 "stale = False",
             ),
         ),
@@ -402,8 +402,8 @@ MUTATIONS = [
         (
             (
                 "trainer/ckpt/tiers.py",
-                "            self._local_failed()\n        return self.durable.failure",
-                "            return self.local.failure\n        return self.durable.failure",
+                "        return self.durable.failure\n",
+                "        return self.durable.failure or (self.local and self.local.failure)\n",
             ),
         ),
         (
@@ -520,7 +520,7 @@ MUTATIONS = [
         (
             (
                 "trainer/train/endings.py",
-                '    w.events.write(CHECKPOINT_FAILED, step=step, tier="durable", message=msg)\n',
+                "    w.events.write(CHECKPOINT_FAILED, step=step, tier=DURABLE, message=msg)\n",
                 "",
             ),
         ),

@@ -171,7 +171,7 @@ def test_a_run_records_its_attention_device_and_xla_flags(done):
     (c,) = [e for e in events(run) if e["event"] == "compiled"]
     want = {"attention": "xla", "platform": "cpu", "device_kind": "cpu", "xla_flags": os.environ["XLA_FLAGS"]}
     assert {k: c.get(k) for k in want} == want and c["gpu_mem_fraction"] == "", c  # the suite's flags, inherited
-    meta = tiers.saved_meta(run, load_config(None, []).checkpoint)
+    meta = tiers.saved_meta(run, load_config(None, []).checkpoint).record
     assert {k: meta.get(k) for k in want} == want, meta
     line = next(ln for ln in status.render(runview.load(run)).splitlines() if ln.startswith("device "))
     assert line == f"device    cpu (cpu)   attention xla   XLA_FLAGS {os.environ['XLA_FLAGS']}", line

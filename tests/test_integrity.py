@@ -328,6 +328,7 @@ def test_a_local_save_that_fails_turns_the_local_tier_off_and_the_durable_tier_g
     save(t, 2, LOCAL, size=1 << 18)  # 1 MB: fails in Orbax's background write
     for _ in range(3000):  # the loop asks every step; the failure surfaces once the background write failed
         assert t.failure() is None, "a local failure stops the run"  # only a durable failure does
+        t.drop_failed_local()
         if log:
             break
         time.sleep(0.01)
@@ -335,6 +336,7 @@ def test_a_local_save_that_fails_turns_the_local_tier_off_and_the_durable_tier_g
     save(t, 4, DURABLE)
     save(t, 6, LOCAL)
     assert t.failure() is None
+    t.drop_failed_local()
     failed = [(e["tier"], "the disk is full" in e["message"]) for e in log if e["event"] == "checkpoint_failed"]
     assert failed == [(LOCAL, True)], log  # once: the tier is off, later local saves are not even tried
     t.close()

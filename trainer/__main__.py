@@ -108,7 +108,7 @@ def run_worker(cfg: Config) -> int:
             traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
-        if loop.TRAINING and not isinstance(e, ConfigError):
+        if loop.in_training(e) and not isinstance(e, ConfigError):
             # In training, a collective usually raises here because a peer died (killed, lost its node). Let
             # the peer's death be seen first, so the launcher blames (and SLURM replaces) the right node.
             time.sleep(PEER_DEATH_GRACE_S)

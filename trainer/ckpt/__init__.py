@@ -8,12 +8,15 @@ A save (the loop calls it at the step save_policy.decide names, agreed by the wh
                    sealing thread that writes this process's content manifest (manifest.py)
   buddy.py         at each local save, every process's shards also go to a process on another node
 A restore (at start-up and after every restart):
-  tiers.py         the newest step the group can assemble and verify across both tiers: each process checks
-                   its share against the manifests, the verdicts are gathered, a bad checkpoint is moved aside
-                   by all and the one before it tried; a lost node's shards come from its buddy's copy
+  tiers.py         saved_meta: the newest step's metadata (files.Meta), read once, before anything is written,
+                   to check the resume against; then the newest step the group can assemble and verify across
+                   both tiers: each process checks its share against the manifests, the verdicts are gathered
+                   (checkpoint.agreed), a bad checkpoint is moved aside by all and the one before it tried; a
+                   lost node's shards come from its buddy's copy
   weights.py       the params alone, for `export`, `sample` and `train.init_from` (trainer.observe.pick
                    chooses which checkpoint, jax-free)
 Read without jax (the supervisor, `status`, `checkpoints --verify`, the runbook): files.py (where each tier
-lives, which steps are committed and sealed) and manifest.py (sizes and sha256 of what each process wrote).
+lives, which steps are committed and sealed, the names of a step's items, its metadata record) and
+manifest.py (sizes and sha256 of what each process wrote).
 Faults that harm checkpoints on purpose live in trainer.faults.corrupt; a full disk is trainer.supervise.storage.
 """

@@ -27,8 +27,9 @@ from orbax.checkpoint import checkpoint_managers as cm
 
 from trainer.ckpt import files as checkpoint_files
 from trainer.ckpt import manifest
-from trainer.ckpt.files import BUDDY, DURABLE, ITEMS, LOCAL
+from trainer.ckpt.files import BUDDY, DATA, DURABLE, ITEMS, LOCAL, META, STATE, Meta
 from trainer.config import CheckpointConfig
+from trainer.parallel.distributed import allgather_json
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
@@ -42,7 +43,7 @@ class Restored:
     step: int
     state: Any
     data_state: dict
-    meta: dict
+    meta: Meta
     tier: str
     sources: dict | None = None  # a local restore: for each process, which process (node) gave its shards
 
@@ -85,10 +86,10 @@ def _local_handlers(mp: ocp.options.MultiprocessingOptions) -> dict:
         use_compression=False, multiprocessing_options=mp, type_handler_registry=registry
     )
     return {
-        "state": tree(),
+        STATE: tree(),
         BUDDY: tree(),  # another process's shards, held for it (trainer.ckpt.buddy)
-        "data": ocp.JsonCheckpointHandler(multiprocessing_options=mp),
-        "meta": ocp.JsonCheckpointHandler(multiprocessing_options=mp),
+        DATA: ocp.JsonCheckpointHandler(multiprocessing_options=mp),
+        META: ocp.JsonCheckpointHandler(multiprocessing_options=mp),
     }
 
 
@@ -131,8 +132,8 @@ def _slow_commits(delay_s: Callable[[int], float]) -> type:
 
 
 class Checkpointer:
-    """One tier's Orbax manager. `tier="durable"`: shared storage, one checkpoint written by all processes
-    together. `tier="local"`: this process's own directory on node-local storage."""
+    """One tier's Orbax manager. `tier` DURABLE: shared storage, one checkpoint written by all processes
+    together. LOCAL: this process's own directory on node-local storage."""
 
     def __init__(
         self,
@@ -219,12 +220,11 @@ class Checkpointer:
                 step,
                 force=True,
                 args=ocp.args.Composite(
-                    state=state_arg,
+                    **{STATE: state_arg},
                     **extra,
                     # The data cursor is identical on every process (it is the step), so one JSON written by
                     # the primary suffices and stays valid when the process count changes (elastic resume).
-                    data=ocp.args.JsonSave(data_state),
-                    meta=ocp.args.JsonSave(meta),
+                    **{DATA: ocp.args.JsonSave(data_state), META: ocp.args.JsonSave(meta)},
                 ),
             )
         except Exception as e:
@@ -251,7 +251,8 @@ class Checkpointer:
             self._sealer.join()
             self._sealer = None
 
-    def _describe(self, step: int, e: BaseException) -> str:
+    def _describe(self, step: int | None, e: BaseException) -> str:
+        """What failed and what to do; `step` None: not one save's (closing the manager)."""
         chain, x = [], e
         while x is not None and len(chain) < 10:
             chain.append(x)
@@ -261,27 +262,25 @@ class Checkpointer:
         )
         what = "the disk is full" if full else "a write failed"
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        of = "" if step is None else f" of step {step}"
         return (
-            f"the {self.tier} checkpoint of step {step} could not be written to {self.directory}: {what} "
+            f"the {self.tier} checkpoint{of} could not be written to {self.directory}: {what} "
             f"({type(e).__name__}: {first}). Earlier checkpoints are untouched; free space or fix the storage, "
             f"then rerun the same command to resume."
         )
 
-    def restore(self, step: int, abstract_state: Any, *, item: str = "state") -> Restored:
-        """The step's state (or, local tier, `item` BUDDY: the copy held for another process), data cursor and
-        metadata; the arrays land with `abstract_state`'s shardings."""
+    def restore(self, step: int, abstract_state: Any, *, meta: Callable[[], Meta], item: str = STATE) -> Restored:
+        """The step's state (or, local tier, `item` BUDDY: the copy held for another process) and data cursor,
+        the arrays landing with `abstract_state`'s shardings; its metadata from `meta` (read once per restore,
+        trainer.ckpt.tiers), after Orbax's read, which every process of a durable restore takes part in."""
         if self.tier == LOCAL:
             state_arg = ocp.args.PyTreeRestore(
                 abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state)
             )
         else:
             state_arg = ocp.args.StandardRestore(abstract_state)
-        args = {item: state_arg, "data": ocp.args.JsonRestore(), "meta": ocp.args.JsonRestore()}
-        out = self.manager.restore(step, args=ocp.args.Composite(**args))
-        return Restored(step, out[item], out["data"], out["meta"], self.tier)
-
-    def read_meta(self, step: int) -> dict:
-        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        out = self.manager.restore(step, args=ocp.args.Composite(**{item: state_arg, DATA: ocp.args.JsonRestore()}))
+        return Restored(step, out[item], out[DATA], meta(), self.tier)
 
     def verify(self, step: int) -> manifest.Problem | None:
         """This process's share of re-reading the step's files against their manifests: in the durable
@@ -318,7 +317,22 @@ class Checkpointer:
                         self.manager.delete(info.step)
             self.manager.close()
         except Exception as e:  # the failure is reported through `failure`
-            self.failure = self.failure or self._describe(-1, e)
+            self.failure = self.failure or self._describe(None, e)
+
+
+def agreed(check: Callable[[], manifest.Problem | None]) -> dict | None:
+    """Run a check of a checkpoint on every process (each its share); the first problem any process found, as
+    {file, reason, process}, or None: the same verdict on all. A check that itself failed is a verdict
+    against the checkpoint (every process still reaches the gather: none is left waiting in it)."""
+    try:
+        p = check()
+        mine = None if p is None else {"file": p.file, "reason": p.reason}
+    except Exception as e:
+        mine = {"file": "", "reason": f"check failed: {e!r}"[:300]}
+    for i, verdict in enumerate(allgather_json(mine)):
+        if verdict is not None:
+            return dict(verdict, process=i)
+    return None
 
 
 @dataclass

@@ -12,13 +12,20 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.ckpt import manifest
 
 DURABLE, LOCAL = "durable", "local"  # the tiers: shared storage (all processes, one checkpoint), node-local
-ITEMS = ("state", "data", "meta")  # Orbax items of a step: train state, data cursor, metadata (JSON)
+# The Orbax items of a step, each a folder in the step directory:
+STATE = "state"  # the train state: params, optimizer state, step, PRNG key
+DATA = "data"  # the data cursor (JSON): the next batch's index
+META = "meta"  # the metadata (JSON): config, data fingerprint, mesh, processes, versions (`Meta` below)
 BUDDY = "buddy"  # a local step's extra item: the shards of another process (on another node), held for it
+ITEMS = (STATE, DATA, META)  # what every step holds
+META_FILE = "metadata"  # the file of the META item, as Orbax's JSON handler names it
 CHECKPOINTS = "checkpoints"  # RUN_DIR/checkpoints: the durable tier
 REJECTED = "rejected_checkpoints"  # RUN_DIR/...: checkpoints that failed verification or loading, for a post-mortem
 REWOUND = "rewound"  # RUN_DIR/...: checkpoints the spike runbook rewound away from
@@ -72,7 +79,38 @@ def sealed_steps(directory: str | Path) -> list[int]:
 def is_step_dir(path: str | Path) -> bool:
     """A path that names one checkpoint: a step directory holding the state item."""
     path = Path(path)
-    return path.name.isdigit() and (path / ITEMS[0]).is_dir()
+    return path.name.isdigit() and (path / STATE).is_dir()
+
+
+@dataclass(frozen=True)
+class Meta:
+    """A step's metadata item, read once per restore (`read_meta`) and passed on: what the loop saved beside
+    the state (config, data fingerprint, mesh, processes, versions, runtime, init_from; trainer.train.loop)
+    and what the tiers add (lineage; in a local step also holds, node, process)."""
+
+    step_dir: Path  # where it was read (a local restore: the copy one process read for all)
+    record: dict  # the item as saved
+
+    @property
+    def step(self) -> int:
+        return int(self.step_dir.name)
+
+    @property
+    def lineage(self) -> int:
+        """How many runbook rewinds the run had been through when it saved this step."""
+        return int(self.record.get("lineage", 0))
+
+    @property
+    def holds(self) -> int | None:
+        """A local step: the process whose shards it also holds (its BUDDY item); None: none."""
+        return None if self.record.get("holds") is None else int(self.record["holds"])
+
+
+def read_meta(step_dir: str | Path) -> Meta:
+    """A step's metadata item, read as this process alone (no Orbax manager: no barrier with the others).
+    Orbax's JSON handler writes it as one file; a torn or missing one raises."""
+    step_dir = Path(step_dir).absolute()
+    return Meta(step_dir, json.loads((step_dir / META / META_FILE).read_text()))
 
 
 def rejected_path(run_dir: str | Path, step: int, stamp: int) -> Path:

@@ -132,7 +132,6 @@ def retrying(
     *,
     retries: int = RETRIES,
     wait_s: float = RETRY_WAIT_S,
-    on_retry: Callable[[int, BaseException], None] | None = None,
 ) -> T:
     """fn(), retried `retries` times with doubling waits when it fails with a possibly transient error."""
     for attempt in range(retries + 1):
@@ -141,8 +140,6 @@ def retrying(
         except Exception as e:
             if attempt == retries or not is_transient(e):
                 raise
-            if on_retry:
-                on_retry(attempt + 1, e)
             time.sleep(wait_s * 2**attempt)
     raise AssertionError("unreachable")
 
@@ -166,7 +163,6 @@ def verify(
     share: tuple[int, int] | None = None,
     retries: int = RETRIES,
     wait_s: float = RETRY_WAIT_S,
-    on_retry: Callable[[int, BaseException], None] | None = None,
 ) -> Problem | None:
     """Re-read the files of the manifests and compare; the first problem found. `share` = (i, n): only the
     manifests m with m % n == i (n processes split the work). A possibly transient read error is retried
@@ -183,7 +179,6 @@ def verify(
                     lambda rel=rel, want=want: _check(step_dir, rel, want),
                     retries=retries,
                     wait_s=wait_s,
-                    on_retry=on_retry,
                 )
             except OSError as e:
                 problem = Problem(rel, f"unreadable after {retries} retries: {e}")

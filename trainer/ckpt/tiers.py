@@ -21,29 +21,25 @@ import jax
 
 from trainer.ckpt import buddy, manifest
 from trainer.ckpt import files as checkpoint_files
-from trainer.ckpt.checkpoint import Checkpointer, Restored, SaveFailed
-from trainer.ckpt.files import BUDDY, DURABLE, LOCAL
+from trainer.ckpt.checkpoint import Checkpointer, Restored, SaveFailed, agreed
+from trainer.ckpt.files import BUDDY, DURABLE, LOCAL, STATE, Meta
 from trainer.config import CheckpointConfig
 from trainer.observe.event_names import CHECKPOINT_FAILED, CHECKPOINT_REJECTED
 from trainer.parallel.distributed import allgather_json
 
 
-def saved_meta(run_dir: Path, cfg: CheckpointConfig) -> dict | None:
+def saved_meta(run_dir: Path, cfg: CheckpointConfig) -> Meta | None:
     """The metadata item of the newest checkpoint (either tier) whose metadata reads: what a resume is
-    checked against before anything is written. A torn one is skipped here; the restore rejects it."""
+    checked against before anything is written, and what the restore of that step uses (`Tiers(saved=)`).
+    A torn one is skipped here; the restore rejects it. Read as this process alone: processes may find their
+    newest metadata in different tiers (a replaced node has no local one)."""
     dirs = [checkpoint_files.durable_dir(run_dir)]
     if cfg.local_dir:
         dirs.append(checkpoint_files.local_dir(cfg.local_dir, run_dir, jax.process_index(), buddy.node_name()))
-    found: list[tuple[int, Checkpointer]] = []
-    for d in dirs:
-        if d.is_dir():
-            # Read as this process alone (a durable reader's restore is a barrier of all processes, and
-            # processes may find their newest metadata in different tiers: a replaced node has no local one).
-            reader = Checkpointer(d, cfg, tier=LOCAL, read_only=True)
-            found += [(s, reader) for s in reader.steps()]
-    for step, reader in sorted(found, key=lambda f: f[0], reverse=True):
+    found = [(s, d) for d in dirs for s in checkpoint_files.committed_steps(d)]
+    for step, d in sorted(found, key=lambda f: f[0], reverse=True):  # at one step the durable one first
         try:
-            return reader.read_meta(step)
+            return checkpoint_files.read_meta(d / str(step))
         except Exception:  # torn or corrupt: an older one answers the same question
             continue
     return None
@@ -61,7 +57,9 @@ class Tiers:
         pinned: Callable[[list[int]], set[int]] | None,
         rewinds: list[int],
         commit_delay: Callable[[int], float] | None = None,
+        saved: Meta | None = None,
     ):
+        """`saved`: the newest metadata, read at start-up (saved_meta): the restore does not read it again."""
         self.cfg, self.log = cfg, log
         self.run_dir = Path(run_dir)
         self.durable = Checkpointer(
@@ -70,6 +68,7 @@ class Tiers:
         self.local: Checkpointer | None = None
         self.pairing: buddy.Pairing | None = None  # who holds whose local copy; None: no copies (one node)
         self._readers: dict[str, Checkpointer] = {}  # local folders on this node, by name, read-only
+        self._metas: dict[Path, Meta] = {} if saved is None else {saved.step_dir: saved}  # by step dir, read once
         self.node = buddy.node_name()
         if cfg.local_dir:
             self.local = Checkpointer(
@@ -133,10 +132,15 @@ class Tiers:
                 self._readers.pop(folder.name, None)
 
     def failure(self) -> str | None:
-        """A durable save that could not be written (checked every step; a local one is handled here)."""
+        """Why a durable save could not be written, or None (asked every step). A local one never ends the
+        run: `drop_failed_local`."""
+        return self.durable.failure
+
+    def drop_failed_local(self) -> None:
+        """A local save that failed in the background (its sealing thread saw it): an event, and the local tier
+        off until restart (the durable tier still protects the run). Called every step, beside `failure`."""
         if self.local and self.local.failure:
             self._local_failed()
-        return self.durable.failure
 
     def _local_failed(self) -> None:
         self.log(CHECKPOINT_FAILED, tier=LOCAL, message=self.local.failure, action="local tier off until restart")
@@ -152,13 +156,19 @@ class Tiers:
         """The newest checkpoint the group can assemble and verify, across both tiers (at one step the local
         copy wins: it reads fastest). Bad copies are rejected with an event and moved aside, and the choice
         is made again (another copy of the same step may still serve)."""
+        try:
+            return self._restore_newest(abstract_state, layout)
+        finally:
+            self._metas.clear()  # read once per restore: a later save may write a step of the same number
+
+    def _restore_newest(self, abstract_state: Any, layout: dict) -> Restored | None:
         while (cand := self._newest(layout)) is not None:
             step, tier, plan = cand
             if tier == LOCAL:
                 restored, problem = self._restore_local(step, plan, abstract_state)
             else:
                 check = lambda step=step: self.durable.verify(step) if self.cfg.verify else None  # noqa: E731
-                problem = self._agreed(check)
+                problem = agreed(check)
                 restored = None
                 if problem is None:
                     restored, problem = self._restore(self.durable, step, abstract_state)
@@ -180,7 +190,7 @@ class Tiers:
                 if not claims:
                     break
                 # Its own process first (no transfer), then its own copy over a held one, then the lowest index.
-                p, h = min(claims, key=lambda c: (c[0] != t, c[1]["item"] != "state", c[0]))
+                p, h = min(claims, key=lambda c: (c[0] != t, c[1]["item"] != STATE, c[0]))
                 plan[t] = dict(h, holder=p, node=views[p]["node"])
             else:
                 cands.append((step, LOCAL, plan))
@@ -199,17 +209,25 @@ class Tiers:
             reader = self._reader(folder.name)
             for step in reader.steps():
                 try:
-                    meta = reader.read_meta(step)
+                    meta = self._meta(reader.step_dir(step))
                 except Exception:
-                    out.append(dict(step=step, of=owner, folder=folder.name, item="state"))
+                    out.append(dict(step=step, of=owner, folder=folder.name, item=STATE))
                     continue
-                stale = any(to < step for to in self.rewinds[int(meta.get("lineage", 0)) :])
-                if stale or meta.get("processes") != layout["processes"] or meta.get("mesh") != layout["mesh"]:
+                stale = any(to < step for to in self.rewinds[meta.lineage :])
+                saved = meta.record
+                if stale or saved.get("processes") != layout["processes"] or saved.get("mesh") != layout["mesh"]:
                     continue
-                out.append(dict(step=step, of=owner, folder=folder.name, item="state"))
-                if meta.get("holds") is not None and (reader.step_dir(step) / BUDDY).is_dir():
-                    out.append(dict(step=step, of=int(meta["holds"]), folder=folder.name, item=BUDDY))
+                out.append(dict(step=step, of=owner, folder=folder.name, item=STATE))
+                if meta.holds is not None and (reader.step_dir(step) / BUDDY).is_dir():
+                    out.append(dict(step=step, of=meta.holds, folder=folder.name, item=BUDDY))
         return out
+
+    def _meta(self, step_dir: Path) -> Meta:
+        """A step's metadata, read once per restore (the newest one already at start-up: `saved`)."""
+        step_dir = Path(step_dir).absolute()
+        if step_dir not in self._metas:
+            self._metas[step_dir] = checkpoint_files.read_meta(step_dir)
+        return self._metas[step_dir]
 
     def _reader(self, folder: str) -> Checkpointer:
         if folder not in self._readers:
@@ -224,7 +242,7 @@ class Tiers:
         me, n = jax.process_index(), len(plan)
         mine = {e["folder"] for e in plan.values() if e["holder"] == me}
         # Each copy is verified by the process that will read it (a problem's file starts with its folder).
-        problem = self._agreed(lambda: self._verify_local(step, sorted(mine)))
+        problem = agreed(lambda: self._verify_local(step, sorted(mine)))
         if problem is not None:
             return None, problem
         # (targets' holders, the permutation that puts each holder in its target's place), round by round
@@ -235,8 +253,9 @@ class Tiers:
             e = plan[target]
             like = abstract if stand_in is None else buddy.abstract_as(abstract, stand_in)
             got["reading"] = e["folder"]
-            r = self._reader(e["folder"]).restore(step, like, item=e["item"])
-            got.setdefault("json", (r.data_state, r.meta))
+            reader = self._reader(e["folder"])
+            r = reader.restore(step, like, item=e["item"], meta=lambda: self._meta(reader.step_dir(step)))
+            got.setdefault("json", (r.data_state, str(r.meta.step_dir), r.meta.record))
             return r.state
 
         def load() -> None:
@@ -251,16 +270,16 @@ class Tiers:
             p = _unreadable(load)
             return p and manifest.Problem(f"{got.get('reading', '')}/", p.reason)
 
-        problem = self._agreed(check)
+        problem = agreed(check)
         if problem is not None:
             return None, problem
         for i, (batch, stand_in) in enumerate(transfers):
             moved = buddy.move(got.pop(f"give{i}", None), stand_in, abstract)
             if me in batch:
                 got["own"] = moved
-        data_state, meta = next(j for j in allgather_json(got.get("json")) if j is not None)
+        data_state, where, saved = next(j for j in allgather_json(got.get("json")) if j is not None)
         sources = {str(t): {"process": e["holder"], "node": e["node"], "copy": e["item"]} for t, e in plan.items()}
-        return Restored(step, got["own"], data_state, meta, LOCAL, sources=sources), None
+        return Restored(step, got["own"], data_state, Meta(Path(where), saved), LOCAL, sources=sources), None
 
     def _verify_local(self, step: int, folders: list[str]) -> manifest.Problem | None:
         if not self.cfg.verify:
@@ -270,21 +289,10 @@ class Tiers:
                 return manifest.Problem(f"{folder}/{p.file}", p.reason)
         return None
 
-    def _agreed(self, check: Callable[[], manifest.Problem | None]) -> dict | None:
-        """Run a check on every process; the first problem any process found, or None: the same on all."""
-        try:
-            p = check()
-            mine = None if p is None else {"file": p.file, "reason": p.reason}
-        except Exception as e:  # a check that itself failed is a verdict against the checkpoint
-            mine = {"file": "", "reason": f"check failed: {e!r}"[:300]}
-        for i, verdict in enumerate(allgather_json(mine)):
-            if verdict is not None:
-                return dict(verdict, process=i)
-        return None
-
     def _restore(self, ck: Checkpointer, step: int, abstract_state: Any) -> tuple[Restored | None, dict | None]:
         restored: list[Restored] = []
-        problem = self._agreed(lambda: _unreadable(lambda: restored.append(ck.restore(step, abstract_state))))
+        meta = lambda: self._meta(ck.step_dir(step))
+        problem = agreed(lambda: _unreadable(lambda: restored.append(ck.restore(step, abstract_state, meta=meta))))
         return (restored[0] if problem is None else None), problem
 
     def _move_aside(self, tier: str, step: int, problem: dict) -> None:

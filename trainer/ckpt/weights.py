@@ -22,6 +22,8 @@ import orbax.checkpoint as ocp
 
 from trainer.ckpt import files as checkpoint_files
 from trainer.ckpt import manifest
+from trainer.ckpt.checkpoint import agreed
+from trainer.ckpt.files import STATE
 from trainer.config import Config, ConfigError, ModelConfig
 from trainer.corpus import shards, tokenizer
 from trainer.model import hf
@@ -29,7 +31,6 @@ from trainer.model.model import GPT
 from trainer.observe import pick, rundir
 from trainer.observe.event_names import DATA_READY
 from trainer.observe.events import iter_events
-from trainer.parallel.distributed import allgather_json
 from trainer.yamltree import build
 
 absl.logging.set_verbosity(absl.logging.ERROR)  # Orbax's info lines ("metadata file does not exist", ...)
@@ -48,7 +49,8 @@ def _path_str(path) -> str:
 
 
 def read_meta(step_dir: Path) -> dict:
-    return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(Path(step_dir).absolute() / "meta")
+    """The checkpoint's metadata item, as saved."""
+    return checkpoint_files.read_meta(step_dir).record
 
 
 def model_config(meta: dict) -> ModelConfig:
@@ -57,7 +59,7 @@ def model_config(meta: dict) -> ModelConfig:
 
 def saved_shapes(step_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """path -> (shape, dtype) of every param in the checkpoint, from Orbax's metadata (no array is read)."""
-    md = ocp.PyTreeCheckpointer().metadata(Path(step_dir).absolute() / "state").item_metadata.tree
+    md = ocp.PyTreeCheckpointer().metadata(Path(step_dir).absolute() / STATE).item_metadata.tree
     leaves = jax.tree_util.tree_flatten_with_path(md["params"])[0]
     return {_path_str(p): (tuple(m.shape), str(np.dtype(m.dtype))) for p, m in leaves}
 
@@ -103,7 +105,7 @@ def restore_params(step_dir: Path, target: Any) -> Any:
         item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
     )
     with ocp.PyTreeCheckpointer() as ck:
-        return ck.restore(Path(step_dir).absolute() / "state", args=args)["params"]
+        return ck.restore(Path(step_dir).absolute() / STATE, args=args)["params"]
 
 
 def on_cpu(picked: pick.Picked) -> Loaded:
@@ -121,11 +123,10 @@ def on_cpu(picked: pick.Picked) -> Loaded:
     return Loaded(picked, meta, cfg, restore_params(picked.dir, target))
 
 
-def _agreed(check) -> manifest.Problem | None:
+def _agree(check) -> manifest.Problem | None:
     """Each process verifies its share of the checkpoint's files; the first problem any of them found."""
-    mine = check()
-    bad = [v for v in allgather_json(None if mine is None else [mine.file, mine.reason]) if v]
-    return manifest.Problem(*bad[0]) if bad else None
+    verdict = agreed(check)
+    return None if verdict is None else manifest.Problem(verdict["file"], verdict["reason"])
 
 
 def init_source(cfg: Config) -> dict | None:
@@ -140,7 +141,7 @@ def init_source(cfg: Config) -> dict | None:
     try:
         picked = pick.pick(
             cfg.train.init_from,
-            agree=_agreed,
+            agree=_agree,
             share=(jax.process_index(), jax.process_count()),
             name_it=f"a step path, RUN_DIR/{checkpoint_files.CHECKPOINTS}/STEP",
         )

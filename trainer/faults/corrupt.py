@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainer.ckpt import files as checkpoint_files
+from trainer.ckpt.files import META, META_FILE, STATE
 from trainer.config import CORRUPT_HOW
 
 
@@ -16,7 +17,7 @@ def largest_file(directory: Path) -> Path:
     return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
 
 
-def flip(step_dir: Path, item: str = "state") -> str:
+def flip(step_dir: Path, item: str = STATE) -> str:
     """A few bytes flipped in the middle of the item's largest file (silent media corruption: the file still
     reads, only its checksum says it changed). Returns the file, relative to the step dir."""
     f = largest_file(step_dir / item)
@@ -29,16 +30,16 @@ def flip(step_dir: Path, item: str = "state") -> str:
 
 def truncate(step_dir: Path) -> str:
     """The state's largest file cut to a third (a copy or a filesystem that lost its tail)."""
-    f = largest_file(step_dir / "state")
+    f = largest_file(step_dir / STATE)
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
     return f.relative_to(step_dir).as_posix()
 
 
 def torn(step_dir: Path) -> str:
     """The step's metadata item cut in half (what a run once crash-looped on, every restart)."""
-    f = step_dir / "meta" / "metadata"
+    f = step_dir / META / META_FILE
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    return "meta/metadata"
+    return f"{META}/{META_FILE}"
 
 
 HOW = {how: globals()[how] for how in CORRUPT_HOW}  # each kind a config may name is the function of its name

@@ -9,9 +9,11 @@ function of (seed, step, skip list) and does not depend on how many processes re
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import grain
+import jax
 import numpy as np
 
 from trainer.config import ConfigError, DataConfig
@@ -148,3 +150,21 @@ def eval_windows(
     per = global_batch // processes
     rows = picks.reshape(batches, global_batch)[:, process * per : (process + 1) * per]
     return np.stack([np.stack([windows[int(i)] for i in row]) for row in rows])
+
+
+class Feed:
+    """This process's rows of each step's batch, as a global array laid out by `sharding`; the audit
+    (trainer.observe.audit, or None) records what was read."""
+
+    def __init__(self, it, audit, sharding: jax.sharding.Sharding):
+        self.it, self.audit, self.sharding = it, audit, sharding
+
+    def next(self, step: int):
+        """(the batch of `step`, seconds waited for it)."""
+        t0 = time.perf_counter()
+        local = next(self.it)
+        batch = jax.make_array_from_process_local_data(self.sharding, local["tokens"])
+        data_wait = time.perf_counter() - t0
+        if self.audit:
+            self.audit.record(step, local)
+        return batch, data_wait

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from trainer.ckpt.files import DURABLE
 from trainer.observe import rundir
 from trainer.observe.alerts import Do
 from trainer.observe.event_names import (
@@ -28,6 +29,7 @@ from trainer.train.worker import Worker
 def end(w: Worker, flags: Flags, st, step: int, loss: float) -> int:
     w.heartbeat.beat("checkpoint", step)
     w.ckpt.close()  # durable (and sealed) before we report anything as saved
+    w.ckpt.drop_failed_local()
     if w.ckpt.failure():
         return storage_exit(w, step)
     if step < w.cfg.train.steps:  # ended early: a SIGTERM's requeue, or train.stop_at_step (a SIGTERM in the
@@ -85,8 +87,9 @@ def replica_exit(w: Worker, step: int, last_good: int, bad: dict) -> int:
 def storage_exit(w: Worker, step: int) -> int:
     """A checkpoint could not be written: say why and stop (a restart would only fill the disk again). No
     waiting on the failed save: a peer's background writer may wait in a barrier for it until a timeout."""
+    w.ckpt.drop_failed_local()  # its event first, as a failed local save is said at every step
     msg = w.ckpt.failure() or "a checkpoint could not be written"
-    w.events.write(CHECKPOINT_FAILED, step=step, tier="durable", message=msg)
+    w.events.write(CHECKPOINT_FAILED, step=step, tier=DURABLE, message=msg)
     print(f"worker: {msg}", file=sys.stderr, flush=True)
     w.events.close()
     w.scalars.close()

@@ -7,12 +7,14 @@ except one step behind.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import faulthandler
 import os
 import signal
 import sys
 import time
+from typing import Any
 
 import absl.logging
 import jax
@@ -45,8 +47,19 @@ from trainer.train.step_log import StepLog
 from trainer.train.worker import Worker, setup, versions
 
 absl.logging.set_verbosity(absl.logging.ERROR)  # Orbax's info/warnings would drown the progress line
-_STACKS_FILE = None
-TRAINING = False  # past start-up: an exception now is more likely a peer's death seen through a collective
+
+
+@dataclasses.dataclass
+class _Start:
+    """What start-up hands the loop: the state (restored or fresh) at step `step`, the batches from there on,
+    the compiled train step and eval, and how long start-up took."""
+
+    state: Any
+    step: int
+    feed: data.Feed
+    step_fn: Any
+    ev: evaluate.Evaluator | None
+    seconds: float
 
 
 def run(cfg: Config) -> int:
@@ -55,6 +68,32 @@ def run(cfg: Config) -> int:
     flags = Flags(lr_scale_now=w.hyperparams["lr_scale"])
     _install_signals(w, flags)
     _enter(w, "startup", _newest_durable(w))  # a startup-phase fault at step S fires in a restart from S or later
+    code = _train(w, flags, _start_up(w, t_start))
+    w.events.close()
+    w.scalars.close()
+    if env_vars.ATTEMPT not in os.environ:  # unsupervised: no one else will tidy up, report or say the end
+        rundir.drop_empty_stacks(w.run_dir, [os.getpid()])
+        if w.primary and cfg.log.report:
+            from trainer.observe import report
+
+            report.write_safely(w.run_dir)
+        if w.primary and code == exit_codes.OK and (line := outcome.end_line(w.run_dir)):
+            print(line, file=sys.stderr)
+    return code
+
+
+def in_training(e: BaseException) -> bool:
+    """Whether `e` came out of the training loop, past start-up: there an exception is more likely a peer's death
+    seen through a collective than this process's own fault (trainer.__main__ waits for the peer's to show)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code is not _train.__code__:
+        tb = tb.tb_next
+    return tb is not None
+
+
+def _start_up(w: Worker, t_start: float) -> _Start:
+    """Restore (or init), then everything the first step needs ready: data, the compiled step and eval."""
+    cfg = w.cfg
     st, start, tier = _restore_or_init(w)
     if w.primary:  # one line saying where this attempt begins, before any library output
         print(
@@ -82,25 +121,12 @@ def run(cfg: Config) -> int:
         skips=w.skips,
     )
     it.set_state({"next_index": start})
-    audit = _audit_log(w, start) if cfg.data.audit else None
+    feed = data.Feed(it, _audit_log(w, start) if cfg.data.audit else None, mesh_lib.batch_sharding(w.mesh))
     step_fn = _compile(w, start)
     ev = evaluate.build(w)  # compiled now too: the first eval is no slow step
     startup_s = time.time() - t_start
     w.events.write(WORKER_READY, step=start, startup_s=startup_s, pid=os.getpid())
-    global TRAINING
-    TRAINING = True
-    code = _train(w, flags, step_fn, it, audit, st, start, ev, startup_s=startup_s)
-    w.events.close()
-    w.scalars.close()
-    if env_vars.ATTEMPT not in os.environ:  # unsupervised: no one else will tidy up, report or say the end
-        rundir.drop_empty_stacks(w.run_dir, [os.getpid()])
-        if w.primary and cfg.log.report:
-            from trainer.observe import report
-
-            report.write_safely(w.run_dir)
-        if w.primary and code == exit_codes.OK and (line := outcome.end_line(w.run_dir)):
-            print(line, file=sys.stderr)
-    return code
+    return _Start(st, start, feed, step_fn, ev, startup_s)
 
 
 def _enter(w: Worker, phase: str, step: int) -> None:
@@ -117,9 +143,8 @@ def _install_signals(w: Worker, flags: Flags) -> None:
     # The supervisor sends SIGUSR1 before killing a hung worker: dump every thread's Python stack.
     stacks = rundir.stack_file(w.run_dir, os.getpid())
     stacks.parent.mkdir(exist_ok=True)
-    global _STACKS_FILE  # open for the process's lifetime: the handler writes into it at any moment
-    _STACKS_FILE = open(stacks, "w")
-    faulthandler.register(signal.SIGUSR1, file=_STACKS_FILE, all_threads=True)
+    # Open for the process's lifetime: faulthandler keeps a reference to the file while the handler is registered.
+    faulthandler.register(signal.SIGUSR1, file=open(stacks, "w"), all_threads=True)
 
 
 def _newest_durable(w: Worker) -> int:
@@ -187,21 +212,10 @@ def runtime(cfg: Config) -> dict:
     }
 
 
-def _train(
-    w: Worker,
-    flags: Flags,
-    step_fn,
-    it,
-    audit: AuditLog | None,
-    st,
-    start: int,
-    ev: evaluate.Evaluator | None,
-    *,
-    startup_s: float,
-) -> int:
-    cfg = w.cfg
+def _train(w: Worker, flags: Flags, begin: _Start) -> int:
+    cfg, st, start, ev = w.cfg, begin.state, begin.step, begin.ev
     stop_at = cfg.train.stop_at_step or cfg.train.steps
-    restart_s = _measured_restart_s(w) or startup_s
+    restart_s = _measured_restart_s(w) or begin.seconds
     policy = SavePolicy(
         cfg.checkpoint, steps=cfg.train.steps, stop_at=stop_at, devices=jax.device_count(), restart_s=restart_s
     )
@@ -209,17 +223,16 @@ def _train(
     # Every process stops, saves, exits or holds at the same step; a multi-process group acts agree.LAG
     # steps after the request.
     group = agree.Agreement(Shared, processes=jax.process_count(), start=start)
-    feed = _Feed(w, it, audit)
     step = last_good = start  # last_good: the last step whose replicas agreed (a restored state agrees)
     while step < stop_at:
         w.heartbeat.beat("step", step)
         w.faults.before_step(step)
-        batch, data_wait = feed.next(step)
+        batch, data_wait = begin.feed.next(step)
         st = _set_lr_scale(w, flags, st, step)
         if w.faults.bitflip(step):
             st = _bitflip(st, step)
         t0 = time.perf_counter()
-        st, m = step_fn(st, batch)
+        st, m = begin.step_fn(st, batch)
         step += 1
         log.dispatched(step, m, data_wait, time.perf_counter() - t0)  # emits the previous step's metrics
         if ev is not None and step % cfg.eval.every_steps == 0:
@@ -247,23 +260,6 @@ def _train(
     return endings.end(w, flags, st, step, loss)
 
 
-class _Feed:
-    """This process's rows of each step's batch, as a global array; the audit records what was read."""
-
-    def __init__(self, w: Worker, it, audit: AuditLog | None):
-        self.it, self.audit, self.sharding = it, audit, mesh_lib.batch_sharding(w.mesh)
-
-    def next(self, step: int):
-        """(the batch of `step`, seconds waited for it)."""
-        t0 = time.perf_counter()
-        local = next(self.it)
-        batch = jax.make_array_from_process_local_data(self.sharding, local["tokens"])
-        data_wait = time.perf_counter() - t0
-        if self.audit:
-            self.audit.record(step, local)
-        return batch, data_wait
-
-
 def _agree(
     w: Worker, flags: Flags, group: agree.Agreement, policy: SavePolicy, step: int
 ) -> tuple[Shared, Save | None]:
@@ -282,6 +278,7 @@ def _agree(
             failed=bool(w.ckpt.failure()),
         ),
     )
+    w.ckpt.drop_failed_local()  # a local save that failed in the background: an event, the local tier off
     flags.stop |= shared.stop  # a peer's SIGTERM stops this process too; a signal landing meanwhile is kept
     flags.hold = shared.hold
     save = policy.decide(

@@ -105,7 +105,3 @@ def lower_train_step(spec: StateSpec, mesh: Mesh, cfg: Config, *, microbatches: 
     )
     with mesh_lib.active(mesh, cfg.model):
         return step_fn.lower(spec.abstract, tokens)
-
-
-def all_finite(metrics) -> bool:
-    return bool(jnp.isfinite(metrics["loss"]) and jnp.isfinite(metrics["grad_norm"]))

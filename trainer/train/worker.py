@@ -228,9 +228,9 @@ def setup(cfg: Config) -> Worker:
     shape = mesh_lib.mesh_shape(cfg.mesh, jax.device_count())
     microbatches = elastic_microbatches(cfg, jax.process_count())
     validate_shapes(cfg, shape, jax.process_count(), microbatches, corpus)
-    saved = tiers.saved_meta(run_dir, cfg.checkpoint)
-    changes = check_resume(saved, cfg, corpus.fingerprint) if saved else []
-    init_from = saved.get("init_from") if saved else weights.init_source(cfg)  # a resume never re-applies it
+    saved = tiers.saved_meta(run_dir, cfg.checkpoint)  # read once: the restore of that step uses it too
+    changes = check_resume(saved.record, cfg, corpus.fingerprint) if saved else []
+    init_from = saved.record.get("init_from") if saved else weights.init_source(cfg)  # a resume never re-applies it
 
     primary = jax.process_index() == 0
     if primary and mesh_lib.kv_replicated(cfg.model, shape[2]):
@@ -244,13 +244,10 @@ def setup(cfg: Config) -> Worker:
     events = EventLog(run_dir / rundir.EVENTS, enabled=primary)
     rb = runbook.RunbookState.load(run_dir, cfg.optim)
     _record_start(cfg, events, rb, corpus, data_s, changes=changes, primary=primary)
-    _announce_changes(cfg, events, saved, microbatches, primary=primary)
+    _announce_changes(cfg, events, saved and saved.record, microbatches, primary=primary)
     mesh = mesh_lib.make_mesh(cfg.mesh)
     spec = state_spec(cfg, mesh)
     scalars = _scalars(cfg, primary=primary, fresh=not saved)
-    pins = lambda steps: runbook.retention_pins(  # noqa: E731
-        steps, window=cfg.runbook.window if cfg.runbook.enabled else None, pinned=rb.pinned
-    )
     node_local = None
     if cfg.checkpoint.local_dir:  # what the `node` fault deletes with the node
         node_local = checkpoint_files.local_root(cfg.checkpoint.local_dir, run_dir, node_name(jax.process_index()))
@@ -264,14 +261,7 @@ def setup(cfg: Config) -> Worker:
         corpus=corpus,
         mesh=mesh,
         spec=spec,
-        ckpt=tiers.Tiers(
-            run_dir,
-            cfg.checkpoint,
-            log=events.write,
-            pinned=pins,
-            rewinds=[h["to"] for h in rb.history if h["action"] in RUNBOOK_RETRIES],
-            commit_delay=faults.commit_delay if faults.slow_saves() else None,
-        ),
+        ckpt=_tiers(cfg, events, rb, faults, saved),
         events=events,
         scalars=scalars,
         heartbeat=Heartbeat(run_dir, jax.process_index(), data=corpus.fingerprint),
@@ -286,6 +276,25 @@ def setup(cfg: Config) -> Worker:
     )
     _add_monitors(w, rb)
     return w
+
+
+def _tiers(
+    cfg: Config, events: EventLog, rb: runbook.RunbookState, faults: FaultInjector, saved: checkpoint_files.Meta | None
+) -> tiers.Tiers:
+    """The checkpoint tiers, keeping what the runbook pins, knowing its rewinds, reusing the metadata read at
+    start-up (`saved`) in the restore."""
+    pins = lambda steps: runbook.retention_pins(  # noqa: E731
+        steps, window=cfg.runbook.window if cfg.runbook.enabled else None, pinned=rb.pinned
+    )
+    return tiers.Tiers(
+        Path(cfg.run.dir),
+        cfg.checkpoint,
+        log=events.write,
+        pinned=pins,
+        rewinds=[h["to"] for h in rb.history if h["action"] in RUNBOOK_RETRIES],
+        commit_delay=faults.commit_delay if faults.slow_saves() else None,
+        saved=saved,
+    )
 
 
 def _record_start(
