@@ -45,7 +45,11 @@ def begin_line(
     """The first line of an attempt: a fresh start (from another run's params with train.init_from), or the
     checkpoint it resumed from."""
     if start:
-        where = "the node-local tier" if tier == "local" else checkpoint_files.durable_dir(run_dir) / str(start)
+        where = (
+            "the node-local tier"
+            if tier == checkpoint_files.LOCAL
+            else checkpoint_files.durable_dir(run_dir) / str(start)
+        )
         return f"resumed from step {start} of checkpoint {where}; training to step {steps}"
     devices = 1
     for v in mesh.values():
