@@ -352,6 +352,8 @@ def test_goodput_is_compared_with_the_model_on_the_same_measured_costs():
     far = [dict(r, recomputed=200) if r["kind"] == "crash" else r for r in rows]
     worse = checks.goodput({"goodput": {"seconds": dict(secs, recompute=30.0)}}, far, cfg, 0.1)
     assert not worse["within"], worse  # 17.5 s more recomputed than expected: beyond 5% and beyond chance
+    # a drilled run that never trained a step (a crash loop before its first) has no goodput to price
+    assert checks.goodput({"goodput": {"seconds": dict(secs, productive=0.0)}}, rows, cfg, 0.1) is None
 
 
 @pytest.mark.slow

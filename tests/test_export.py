@@ -390,7 +390,7 @@ SHARDED_RESTORE = """
 import hashlib, json, sys
 from pathlib import Path
 from trainer.config import Config, MeshConfig
-from trainer.ckpt import checkpoint, weights
+from trainer.ckpt import checkpoint, files
 from trainer.model import hf
 from trainer.train import optim, state
 from trainer.parallel.mesh import make_mesh
@@ -400,12 +400,14 @@ from trainer.yamltree import build
 out = {}
 for run in sys.argv[1:]:
     step_dir = max((Path(run) / "checkpoints").glob("[0-9]*"), key=lambda p: int(p.name))
-    cfg = build(Config, weights.read_meta(step_dir)["config"], "")
+    meta = files.read_meta(step_dir)
+    cfg = build(Config, meta.record["config"], "")
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     tx = optim.make_optimizer(cfg.optim, cfg.train.steps, cfg.model)
     spec = state.build(GPT(cfg.model), tx, mesh, seed=cfg.run.seed, seq_len=cfg.model.seq_len)
+    # the trainer's own resume: every array sharded over the mesh
     st = checkpoint.Checkpointer(Path(run) / "checkpoints", cfg.checkpoint, read_only=True).restore(
-        int(step_dir.name), spec.abstract).state  # the trainer's own resume: every array sharded over the mesh
+        int(step_dir.name), spec.abstract, meta=lambda: meta).state
     assert len(st["params"]["wte"].sharding.device_set) == 8
     tensors = hf.tensors(st["params"], cfg.model)
     out[run] = {k: hashlib.sha256(v.tobytes()).hexdigest() for k, v in tensors.items()}

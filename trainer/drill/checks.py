@@ -167,12 +167,16 @@ def interval_steps(cfg: Config) -> int:
     return ck.every_steps or (ck.local_every_steps if ck.local_dir else 0)
 
 
-def goodput(summary: dict, rows: list[dict], cfg: Config, step_s: float) -> dict:
+def goodput(summary: dict, rows: list[dict], cfg: Config, step_s: float) -> dict | None:
     """The ledger's goodput of the drilled run (its one-time start-up and shutdown left out) against the
     survival model's expectation for the same measured costs: the downtime of every restart, the checkpoint
     stalls and the straggler time as measured, the failures the model describes (UNIFORM) at their measured
-    rate each losing half the checkpoint interval, the other faults' recompute as measured."""
+    rate each losing half the checkpoint interval, the other faults' recompute as measured. None when the run
+    trained no step (it hung or crashed before its first): there is nothing to price, and the drill's other
+    checks say why it stopped."""
     secs = summary["goodput"]["seconds"]
+    if not secs.get("productive"):
+        return None
     running = sum(secs.values()) - secs.get("startup", 0.0) - secs.get("shutdown", 0.0)
     uniform = [r for r in rows if r["kind"] in UNIFORM and r["recomputed"] is not None]
     other = sum(r["recomputed"] or 0 for r in rows if r["kind"] not in UNIFORM) * step_s

@@ -234,7 +234,7 @@ def _failed(cfg, drilled: dict, rows: list[dict], dp: dict, gp: dict | None, ref
     if dp["audit_problems"]:
         out.append(f"data not consumed exactly once: {dp['audit_problems'][0]}")
     if gp is None:
-        out.append("no goodput ledger in the drilled run's summary.json")
+        out.append("no goodput to compare: the drilled run's summary.json has no ledger, or no productive step")
     elif drilled["exit_code"] != 0 or not checks.interval_steps(cfg):
         pass  # an unfinished run's ledger, or no checkpoint to price: the lines above and the setup's say why
     elif not gp["within"]:
