@@ -203,8 +203,8 @@ CPU_LOG = os.environ.get("TRAINER_TESTS_CPU_LOG", "")
 def _cpu_log(request):
     """Opt-in (TRAINER_TESTS_CPU_LOG=FILE): each test's wall and CPU seconds, its own and its waited-for
     children's (the trainer processes it ran and their workers; not a SLURM job's, whose tasks are the
-    daemons' children), appended as one JSON line. The suite's budget is CPU on 2 cores: tests/README's
-    tables come from this file."""
+    daemons' children), appended as one JSON line. The suite's budget is CPU on 2 cores: the tables of
+    benchmarks/results/suite_history.md come from this file."""
 
     def cpu() -> float:
         own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -218,7 +218,8 @@ def _cpu_log(request):
         f.write(json.dumps(row) + "\n")
 
 
-# The longest modules first (wall seconds measured with TRAINER_TESTS_CPU_LOG, tests/README.md). Under
+# The longest modules first (wall seconds measured with TRAINER_TESTS_CPU_LOG, suite_history.md in
+# benchmarks/results/). Under
 # `--dist loadfile` each module runs whole on one worker: a long module handed out last runs alone at the end
 # while the other workers sit idle. The SLURM modules mostly wait on daemons and timeouts, so starting them
 # early also fills their waits with the others' work. Order within a module is kept. xdist's own reordering
