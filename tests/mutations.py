@@ -1453,4 +1453,71 @@ MUTATIONS = [
         ("tests/test_survival.py::test_lesson_numbers",),
         catch='assert m["lost_per_crash_gpu_hours"] == pytest.approx(512.0)',
     ),
+    M(
+        "stop_without_requeue",
+        "told to stop (SIGTERM to the supervisor), a crashed or spiking attempt is restarted, not requeued",
+        (
+            (
+                "trainer/supervise/exit_codes.py",
+                "if rule.then == REQUEUE or e.stopping:",
+                "if rule.then == REQUEUE:",
+            ),
+        ),
+        ("tests/test_exit_policy.py::test_what_the_supervisor_asked_for_or_was_told_overrides_the_row",),
+        catch="assert (d.do, d.code, d.tally) == (ec.REQUEUE, ec.PREEMPTED, ec.Tally()), (code, d)",
+    ),
+    M(
+        "crash_loop_counts_every_step",
+        "the crash-loop counter never starts over: failures at different steps add up to a crash loop",
+        (
+            (
+                "trainer/supervise/exit_codes.py",
+                "same = tally.same_step + 1 if e.step == tally.fail_step else 1",
+                "same = tally.same_step + 1",
+            ),
+        ),
+        (
+            "tests/test_exit_policy.py::test_the_same_step_failing_crash_loop_restarts_times_gives_up_with_backoff_before",
+        ),
+        catch="assert [d.do for d in ds] == [ec.RESTART] * 4 and [d.backoff_s for d in ds] == [0.0, 1.0, 0.0, 1.0]",
+    ),
+    M(
+        "hang_rereads_the_heartbeats",
+        "a hang's blame reads every heartbeat again instead of the poll's snapshot",
+        (
+            (
+                "trainer/supervise/supervisor.py",
+                "hang.hung_on(self.run_dir, att.proc, s.beats, snap.beats)",
+                "hang.hung_on(self.run_dir, att.proc, s.beats, self._snapshot(att).beats)",
+            ),
+        ),
+        ("tests/test_exit_policy.py::test_a_hang_reads_each_heartbeat_once_in_its_poll_and_once_after_the_exit",),
+        catch='assert sorted(reads) == ["worker-0.json", "worker-1.json"], reads',
+    ),
+    M(
+        "progress_every_step_in_a_log",
+        "off a terminal the progress line is written every step (a 3-week run writes millions of lines)",
+        (
+            (
+                "trainer/observe/progress.py",
+                "elif self._each_step or not self._written or step % self._every == 0 or step >= self._total:",
+                "elif True:",
+            ),
+        ),
+        ("tests/test_progress.py::test_off_a_terminal_a_line_every_log_interval_and_the_first_and_last",),
+        catch='assert "\\r" not in text and text.count("\\n") == 31, text',
+    ),
+    M(
+        "progress_drops_the_last_step",
+        "off a terminal an attempt that stops between two log intervals never writes its last step",
+        (
+            (
+                "trainer/observe/progress.py",
+                "elif self._unwritten is not None:",
+                "elif False:",
+            ),
+        ),
+        ("tests/test_progress.py::test_off_a_terminal_a_line_every_log_interval_and_the_first_and_last",),
+        catch="assert _steps(_drive(io.StringIO(), range(32, 46))) == [32, 40, 45]",
+    ),
 ]
