@@ -71,7 +71,10 @@ PHASE_HANGS = (
     "{kind: hang, step: 0, phase: compile}, {kind: hang, step: 8}, "
     "{kind: hang, step: 10, phase: checkpoint}]"
 )
-TIMEOUTS = {"startup": 10, "compile": 10, "restore": 6, "step": 4, "checkpoint": 8}
+# startup_timeout_s also bounds a restarted attempt's start-up, from its launch to its first heartbeat (Python,
+# jax and the data loaded: ~4 CPU-s): 10 s was too little on CI's loaded 2-core machine (a false "startup"
+# hang before the restore hang's attempt beat, at f6eda91), so 20.
+TIMEOUTS = {"startup": 20, "compile": 20, "restore": 6, "step": 4, "checkpoint": 8}
 # Where each phase's hang sits in the worker (the fault's hook, called by): its stack dump must show it.
 HUNG_IN = {
     "startup": ("_enter", "run"),
