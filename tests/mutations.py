@@ -1520,4 +1520,17 @@ MUTATIONS = [
         ("tests/test_progress.py::test_off_a_terminal_a_line_every_log_interval_and_the_first_and_last",),
         catch="assert _steps(_drive(io.StringIO(), range(32, 46))) == [32, 40, 45]",
     ),
+    M(
+        "run_dir_lock_shared",
+        "the run dir's lock is a shared one: a second supervisor trains on a run dir another one drives",
+        (
+            (
+                "trainer/supervise/supervisor.py",
+                "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)",
+                "fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)",
+            ),
+        ),
+        ("tests/test_supervisor.py::test_a_second_supervisor_on_the_same_run_dir_is_refused",),
+        catch='assert second.returncode == exit_codes.LOCKED and "in use by another supervisor" in second.stderr',
+    ),
 ]

@@ -196,7 +196,10 @@ def test_the_restart_budget_ends_the_run_with_exit_77_after_bounded_backoff(tmp_
 
 def test_a_second_supervisor_on_the_same_run_dir_is_refused(tmp_path):
     run = tmp_path / "run"
-    sup = _start(run)
+    # Steps slowed to 1 s: the first run holds the lock while the second starts. Unslowed, the micro run's 30
+    # steps once ended within the second's start-up in a fresh-clone .ci/run, and the second resumed it (exit 0).
+    # Its worker dies with its supervisor (PR_SET_PDEATHSIG) when the test kills it.
+    sup = _start(run, "faults=[{kind: slow, step: 1, seconds: 1.0, count: 29}]")
     _worker_at(run, 1)
     second = run_trainer(run, check=False, timeout=60)
     assert second.returncode == exit_codes.LOCKED and "in use by another supervisor" in second.stderr
