@@ -1140,7 +1140,7 @@ MUTATIONS = [
             ),
         ),
         ("tests/test_straggler.py::test_a_slowed_process_is_named_with_its_node_and_an_ecc_rise_on_it_checkpoints",),
-        catch='(run / "tb" / "hosts").iterdir()',
+        catch="hosts.is_dir() and sorted(p.name for p in hosts.iterdir())",
     ),
     M(
         "straggler_costs_nothing_in_the_ledger",
@@ -1226,7 +1226,7 @@ MUTATIONS = [
         "the disk_full fault is recorded but the save it names goes through",
         (("trainer/train/loop.py", "        w.ckpt.durable.inject = OSError(", "        _ = OSError("),),
         ("tests/test_drill.py::test_a_disk_full_fault_fails_its_save_and_the_run_restarts_when_there_is_room",),
-        catch="[failed] = [e for e in evs",
+        catch="assert len(failures) == 1",
     ),
     M(
         "drill_blames_the_setup_for_its_own_disk_full",

@@ -304,7 +304,9 @@ def test_a_disk_full_fault_fails_its_save_and_the_run_restarts_when_there_is_roo
     run = tmp_path / "run"
     run_trainer(run, "checkpoint.every_steps=5", "faults=[{kind: disk_full, step: 12}]")
     evs = events(run)
-    [failed] = [e for e in evs if e["event"] == "checkpoint_failed"]
+    failures = [e for e in evs if e["event"] == "checkpoint_failed"]
+    assert len(failures) == 1, [e["event"] for e in evs]  # the save it names failed, and only that one
+    (failed,) = failures
     assert failed["step"] == 15 and "the disk is full" in failed["message"] and "injected" in failed["message"]
     assert [(e["reason"], e["step"]) for e in evs if e["event"] == "restart"] == [("disk full", 15)]
     assert not [e for e in evs if e["event"] == "alert" and e.get("kind") == "disk_full"]  # room at once

@@ -245,7 +245,8 @@ def test_a_slowed_process_is_named_with_its_node_and_an_ecc_rise_on_it_checkpoin
     saved = [e for e in evs if e["event"] == "checkpoint_saved" and e["reason"] != "periodic"]
     assert now["node"] == "host1" and saved[0]["step"] - now["step"] <= 3, (now, saved)
     # ... and TensorBoard shows it in process 1's own run, beside process 0's (the run's) health
-    assert sorted(p.name for p in (run / "tb" / "hosts").iterdir()) == ["p1-host1"]
+    hosts = run / "tb" / "hosts"
+    assert hosts.is_dir() and sorted(p.name for p in hosts.iterdir()) == ["p1-host1"], list((run / "tb").iterdir())
     host1, run0 = tensorboard(run / "tb" / "hosts" / "p1-host1"), tensorboard(run / "tb")
     injected = [(e.step, e.value) for e in host1.Scalars("health/host/ecc_injected")]
     assert injected[0][1] > 0 and injected == sorted(injected, key=lambda x: x[1]), injected  # rising from step 58
