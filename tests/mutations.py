@@ -1533,4 +1533,33 @@ MUTATIONS = [
         ("tests/test_supervisor.py::test_a_second_supervisor_on_the_same_run_dir_is_refused",),
         catch='assert second.returncode == exit_codes.LOCKED and "in use by another supervisor" in second.stderr',
     ),
+    M(
+        "spike_latest_wins",
+        "the loop keeps the latest spike its monitors report, not the first: a group still agreeing to exit skips "
+        "the batches after a NaN instead of the one that caused it",
+        (
+            (
+                "trainer/train/flags.py",
+                "elif action[Do.KEY] == Do.SPIKE and self.spike is None:",
+                "elif action[Do.KEY] == Do.SPIKE:",
+            ),
+        ),
+        ("tests/test_runbook.py::test_the_loop_keeps_the_first_spike_while_the_group_agrees_to_exit",),
+        catch='assert (flags.spike["step"], flags.spike["began"], flags.spike["batches"]) == (5, 5, [4])',
+    ),
+    M(
+        "spike_latest_wins_two_processes",
+        "as spike_latest_wins, seen end to end with 2 processes",
+        (
+            (
+                "trainer/train/flags.py",
+                "elif action[Do.KEY] == Do.SPIKE and self.spike is None:",
+                "elif action[Do.KEY] == Do.SPIKE:",
+            ),
+        ),
+        (
+            "tests/test_multihost.py::test_two_processes_catch_a_flipped_replica_across_them_and_run_the_runbook_on_a_nan",
+        ),
+        catch="assert skips == [[22]]",
+    ),
 ]

@@ -6,6 +6,8 @@ exactly-once consumption and catches overlapping shards and reshuffle-on-resume.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import signal
 import subprocess
@@ -128,6 +130,40 @@ def test_elastic_resume_on_another_process_count_keeps_the_global_order(tmp_path
     worst = max(abs(losses[k][0] - ref_losses[k][0]) / abs(ref_losses[k][0]) for k in ref_losses)
     assert sorted(losses) == sorted(ref_losses) and worst < 2e-6, worst
     print(f"elastic 2->1->2: worst relative loss difference vs uninterrupted: {worst:.2e}")
+
+
+@pytest.mark.slow
+def test_two_processes_catch_a_flipped_replica_across_them_and_run_the_runbook_on_a_nan(tmp_path, ref):
+    """The replica check and the spike runbook where they matter, across processes: the data replicas of a
+    2-process group live in different processes (data 2 x fsdp 2 x tensor 2 over 2 x 4 devices), so a flipped
+    bit in process 1's copy is found only by comparing fingerprints gathered from both; and a NaN update
+    takes both processes out at one step (exit 78 from each) and both read the same skip list after."""
+    ref_run, corpus = ref
+    run = tmp_path / "run"
+    faults = "faults=[{kind: bitflip, step: 15}, {kind: nan, step: 22}]"
+    run_trainer(run, *group_overrides(corpus, *TWO, "integrity.replica_check_steps=7", faults))
+
+    # The flip before step 15, caught by the check before the save of 20; the last check that passed was 14.
+    (mismatch,) = [e for e in events(run) if e["event"] == "replica_mismatch"]
+    assert (mismatch["step"], mismatch["last_good"]) == (20, 14), mismatch
+    assert {d["process"] for d in mismatch["devices"]} == {0, 1}, mismatch  # the copies compared: both processes'
+    # The NaN update of step 22 is seen at 23, rewound to the save of 20, batch 22 skipped.
+    spike = next(e for e in events(run) if e["event"] == "spike_detected")
+    assert (spike["step"], spike["signal"]) == (23, "nonfinite_update_norm"), spike
+    assert [e["to"] for e in events(run) if e["event"] == "rewind"] == [20]
+    skips = [e["batches"] for e in events(run) if e["event"] == "skip"]
+    assert skips == [[22]] and json.loads((run / "runbook.json").read_text())["skips"] == [22], skips
+    # Every process of each attempt left with the same code: the replica rewind, the runbook, the end.
+    exits = [sorted({code for _, code in e["exits"]}) for e in events(run) if e["event"] == "worker_exit"]
+    assert exits == [[exit_codes.REPLICA_MISMATCH], [exit_codes.SPIKE], [0]], exits
+    assert [e["step"] for e in events(run) if e["event"] == "restore"] == [10, 20]
+    # Up to the NaN the run is the uninterrupted one, bit for bit (the flipped steps recomputed); after it,
+    # every process skipped batch 22 and read every other batch exactly once (the audit, over both processes).
+    losses, ref_losses = step_losses(run), step_losses(ref_run)
+    assert {s: v[-1] for s, v in losses.items() if s < 22} == {s: v[0] for s, v in ref_losses.items() if s < 22}
+    assert math.isfinite(summary(run)["final_loss"])
+    st = audit(run)
+    assert st["skips"] == [22] and st["process_counts"] == [2], st
 
 
 # --- the audit catches the classic bugs (real grain pipelines, no training) ---------------------------

@@ -118,6 +118,23 @@ def test_nan_fires_at_once_even_in_warmup_without_probing():
     assert (a["began"], a["end"], a["batches"], a["probed"]) == (5, 5, [4], 0)
 
 
+def test_the_loop_keeps_the_first_spike_while_the_group_agrees_to_exit():
+    """With several processes the group leaves a few steps after a spike (the agreement lags), and the detector
+    fires again on each of those steps (after a NaN update every loss is NaN): the runbook must get the first
+    span, the offending batch, not the latest (seen with 2 processes: batch 24 skipped for a NaN of batch 22)."""
+    from trainer.train.flags import Flags
+
+    det, _ = _detector()
+    stream = list(_stream(10))
+    stream[4][1]["update_norm"] = math.nan  # the update at step 5 made the params NaN...
+    for _, rec in stream[5:]:
+        rec["loss"] = math.nan  # ... and every step after it computes a NaN loss
+    flags = Flags()
+    for step, action in _feed(det, stream):
+        flags.act(step, action)
+    assert (flags.spike["step"], flags.spike["began"], flags.spike["batches"]) == (5, 5, [4]), flags.spike
+
+
 def test_probing_that_never_finds_a_clean_batch_reports_an_open_span():
     det, _ = _detector(_cfg(probe_steps=3))
     stream = list(_stream(60))
