@@ -1562,4 +1562,11 @@ MUTATIONS = [
         ),
         catch="assert skips == [[22]]",
     ),
+    M(
+        "export_metadata_unsorted",
+        "the export leaves the safetensors metadata in the order safetensors wrote it (another in each process)",
+        (("trainer/tools/export.py", "        _sort_metadata(tmp / MODEL)\n", ""),),
+        ("tests/test_export.py::test_exports_of_one_checkpoint_are_the_same_bytes",),
+        catch="assert (tmp_path / str(i) / f).read_bytes() == (first / f).read_bytes(), f",
+    ),
 ]

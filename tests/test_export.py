@@ -445,6 +445,16 @@ def test_export_does_not_depend_on_the_mesh_or_process_count_that_saved(exported
         )
 
 
+def test_exports_of_one_checkpoint_are_the_same_bytes(exported, tmp_path):
+    """safetensors orders the header's metadata anew in each process (5 keys: 120 orders); the export sorts it,
+    so every export of a checkpoint is the same file."""
+    run, first = exported
+    for i in range(2):  # each in its own process: with the order left to safetensors, equal 1 time in 14,400
+        export(run, tmp_path / str(i))
+        for f in sorted(p.name for p in first.iterdir()):
+            assert (tmp_path / str(i) / f).read_bytes() == (first / f).read_bytes(), f
+
+
 def test_export_verifies_first_a_damaged_checkpoint_is_skipped_or_refused(fine_tuned, tmp_path):
     run = tmp_path / "copy"
     shutil.copytree(fine_tuned, run)

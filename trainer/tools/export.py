@@ -11,6 +11,7 @@ mesh or process count exports on a laptop.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -81,6 +82,7 @@ def write(out: Path, loaded: weights.Loaded, tok: weights.RunTokenizer) -> list[
                 "trainer_tokenizer": tok.name,
             },
         )
+        _sort_metadata(tmp / MODEL)
         files = [CONFIG, MODEL, *_tokenizer_files(tmp, tok, cfg)]
         umask = os.umask(0)
         os.umask(umask)
@@ -91,6 +93,21 @@ def write(out: Path, loaded: weights.Loaded, tok: weights.RunTokenizer) -> list[
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return files
+
+
+def _sort_metadata(path: Path) -> None:
+    """safetensors writes the header's __metadata__ from a Rust HashMap, in another order in each process, so two
+    exports of one checkpoint differed in a few header bytes. Rewritten with its keys sorted: the same JSON and
+    length (safetensors writes it compact, padded with spaces to 8 bytes), the tensors untouched, and an export
+    is a pure function of its checkpoint, byte for byte."""
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        assert len(text) <= n, (len(text), n)  # the same keys and values: never longer
+        f.seek(8)
+        f.write(text.ljust(n, b" "))
 
 
 def _check_out(out: Path) -> None:
