@@ -1569,4 +1569,19 @@ MUTATIONS = [
         ("tests/test_export.py::test_exports_of_one_checkpoint_are_the_same_bytes",),
         catch="assert (tmp_path / str(i) / f).read_bytes() == (first / f).read_bytes(), f",
     ),
+    M(
+        "storage_wait_ignored",
+        "when no room comes within supervisor.storage_wait_minutes the supervisor restarts into the full disk "
+        "instead of stopping for a human (exit 81)",
+        (
+            (
+                "trainer/supervise/supervisor.py",
+                "if not storage.wait_for_room(self.run_dir, wait, self.events.write, step=step, stop=self._stopping):",
+                "if not storage.wait_for_room(self.run_dir, wait, self.events.write, step=step, stop=self._stopping) "
+                "and False:",
+            ),
+        ),
+        ("tests/test_integrity.py::test_two_processes_on_a_disk_that_stays_full_stop_with_exit_81_and_its_line",),
+        catch="assert code == exit_codes.STORAGE, text[-3000:]",
+    ),
 ]

@@ -216,8 +216,16 @@ def test_a_drill_of_the_micro_config_heals_every_fault_and_ends_as_the_undisturb
     kinds = "crash,crash_after_save,hang,hang_restore,crash_mid_save,corrupt,preempt"
     # 2 faults of 2 kinds, not 8 of 4: the suite's budget (the thresholds: the test above)
     few = ["--min-faults", "2", "--min-kinds", "2"]
-    proc, work = _drill(tmp_path, "--faults", kinds, "--seed", "3", *few, minutes=0.6, mtbf=1.0)
+    scale = ["--gpus", "64", "--gpu-mtbf-hours", "20000", "--days", "7"]  # the projection to a real run
+    proc, work = _drill(tmp_path, "--faults", kinds, "--seed", "3", *few, *scale, minutes=0.6, mtbf=1.0)
     res = json.loads((work / "drill.json").read_text())
+    proj = res["projection"]
+    assert {k: proj["inputs"][k] for k in ("gpus", "mtbf_hours", "days")} == {
+        "gpus": 64,
+        "mtbf_hours": 20000,
+        "days": 7,
+    }
+    assert proj["expected_failures"] == pytest.approx(64 * 7 * 24 / 20000), proj  # GPU-hours over the GPU MTBF
     # Every check holds, except that goodput against the model's expectation may miss here by chance: a
     # handful of failures, some right after a fault that destroyed the newest checkpoint (the 20-minute drill
     # in benchmarks/results/drill/ is where the comparison is shown: 49.5% against 49.9%).

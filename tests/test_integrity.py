@@ -453,6 +453,31 @@ def test_no_room_within_the_wait_stops_the_run_for_a_human(tmpfs):
 
 
 @pytest.mark.slow
+def test_two_processes_on_a_disk_that_stays_full_stop_with_exit_81_and_its_line(tmpfs, tmp_path):
+    """The disk fills in a save of a 2-process run and no room comes in supervisor.storage_wait_minutes: the run
+    stops for a human with exit 81 (no restart into the full disk), the worker's message and the supervisor's
+    line saying what happened and what to do; every sealed checkpoint stays intact."""
+    from multihost import TWO, group_overrides, small_corpus
+
+    run, log = tmpfs / "run", tmp_path / "run.log"
+    _fill(tmpfs, 5)  # two micro checkpoints fit, the third fills the disk mid-write; nothing frees it
+    overrides = group_overrides(
+        small_corpus(tmp_path / "corpus"), *TWO, "checkpoint.every_steps=5", "supervisor.storage_wait_minutes=0.05"
+    )
+    with open(log, "w") as fh:
+        code = subprocess.run(trainer_cmd(run, *overrides), cwd=ROOT, env=child_env(), stdout=fh, stderr=fh).returncode
+    text = log.read_text()
+    assert code == exit_codes.STORAGE, text[-3000:]
+    assert "the disk is full" in text and "giving up (checkpoint storage failed)" in text, text[-3000:]
+    assert "no room for one more came in supervisor.storage_wait_minutes (0.05)" in text, text[-3000:]
+    assert [e["exit_code"] for e in _of(run, "worker_exit")] == [exit_codes.STORAGE] and not _of(run, "restart")
+    assert [e["reason"] for e in _of(run, "gave_up")] == ["checkpoint storage failed"]
+    good = [s for s in sorted(int(d.name) for d in (run / "checkpoints").iterdir() if d.name.isdigit())]
+    good = [s for s in good if manifest.sealed(run / "checkpoints" / str(s))]
+    assert good and all(manifest.verify(run / "checkpoints" / str(s)) is None for s in good), good
+
+
+@pytest.mark.slow
 def test_a_step_is_assembled_from_any_copy_a_node_holds_never_from_a_partial_one(tmp_path_factory):
     """Two processes standing for two nodes (TRAINER_NODE_NAME; each its own local folder through {node}):
     every local save also leaves each process's shards with the other. Then, before the restart:
