@@ -1535,13 +1535,13 @@ MUTATIONS = [
     ),
     M(
         "spike_latest_wins",
-        "the loop keeps the latest spike its monitors report, not the first: a group still agreeing to exit skips "
-        "the batches after a NaN instead of the one that caused it",
+        "the spike detector goes on reporting after its spike: a group still agreeing to exit takes the latest "
+        "report and skips the batches after a NaN instead of the one that caused it",
         (
             (
-                "trainer/train/flags.py",
-                "elif action[Do.KEY] == Do.SPIKE and self.spike is None:",
-                "elif action[Do.KEY] == Do.SPIKE:",
+                "trainer/observe/spikes.py",
+                "        if self._reported:\n",
+                "        if False:\n",
             ),
         ),
         ("tests/test_runbook.py::test_the_loop_keeps_the_first_spike_while_the_group_agrees_to_exit",),
@@ -1552,9 +1552,9 @@ MUTATIONS = [
         "as spike_latest_wins, seen end to end with 2 processes",
         (
             (
-                "trainer/train/flags.py",
-                "elif action[Do.KEY] == Do.SPIKE and self.spike is None:",
-                "elif action[Do.KEY] == Do.SPIKE:",
+                "trainer/observe/spikes.py",
+                "        if self._reported:\n",
+                "        if False:\n",
             ),
         ),
         (

@@ -470,11 +470,12 @@ def test_two_processes_on_a_disk_that_stays_full_stop_with_exit_81_and_its_line(
     assert code == exit_codes.STORAGE, text[-3000:]
     assert "the disk is full" in text and "giving up (checkpoint storage failed)" in text, text[-3000:]
     assert "no room for one more came in supervisor.storage_wait_minutes (0.05)" in text, text[-3000:]
-    assert [e["exit_code"] for e in _of(run, "worker_exit")] == [exit_codes.STORAGE] and not _of(run, "restart")
-    assert [e["reason"] for e in _of(run, "gave_up")] == ["checkpoint storage failed"]
-    good = [s for s in sorted(int(d.name) for d in (run / "checkpoints").iterdir() if d.name.isdigit())]
-    good = [s for s in good if manifest.sealed(run / "checkpoints" / str(s))]
-    assert good and all(manifest.verify(run / "checkpoints" / str(s)) is None for s in good), good
+    # No restart into the full disk. Said by the supervisor's output, not its events: on a disk that stays full
+    # an event written after it filled is dropped (events never raise), unless the failed save's files happened
+    # to be removed first (seen: 4 of 6 runs under load had none of the supervisor's last events).
+    assert "restarting in" not in text, text[-3000:]
+    good = [d for d in (run / "checkpoints").iterdir() if d.name.isdigit() and manifest.sealed(d)]
+    assert good and all(manifest.verify(d) is None for d in good), good
 
 
 @pytest.mark.slow

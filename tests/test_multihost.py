@@ -142,21 +142,22 @@ def test_two_processes_catch_a_flipped_replica_across_them_and_run_the_runbook_o
     run = tmp_path / "run"
     faults = "faults=[{kind: bitflip, step: 15}, {kind: nan, step: 22}]"
     run_trainer(run, *group_overrides(corpus, *TWO, "integrity.replica_check_steps=7", faults))
+    evs = events(run)
 
     # The flip before step 15, caught by the check before the save of 20; the last check that passed was 14.
-    (mismatch,) = [e for e in events(run) if e["event"] == "replica_mismatch"]
+    (mismatch,) = [e for e in evs if e["event"] == "replica_mismatch"]
     assert (mismatch["step"], mismatch["last_good"]) == (20, 14), mismatch
     assert {d["process"] for d in mismatch["devices"]} == {0, 1}, mismatch  # the copies compared: both processes'
     # The NaN update of step 22 is seen at 23, rewound to the save of 20, batch 22 skipped.
-    spike = next(e for e in events(run) if e["event"] == "spike_detected")
+    spike = next(e for e in evs if e["event"] == "spike_detected")
     assert (spike["step"], spike["signal"]) == (23, "nonfinite_update_norm"), spike
-    assert [e["to"] for e in events(run) if e["event"] == "rewind"] == [20]
-    skips = [e["batches"] for e in events(run) if e["event"] == "skip"]
+    assert [e["to"] for e in evs if e["event"] == "rewind"] == [20]
+    skips = [e["batches"] for e in evs if e["event"] == "skip"]
     assert skips == [[22]] and json.loads((run / "runbook.json").read_text())["skips"] == [22], skips
     # Every process of each attempt left with the same code: the replica rewind, the runbook, the end.
-    exits = [sorted({code for _, code in e["exits"]}) for e in events(run) if e["event"] == "worker_exit"]
+    exits = [sorted({code for _, code in e["exits"]}) for e in evs if e["event"] == "worker_exit"]
     assert exits == [[exit_codes.REPLICA_MISMATCH], [exit_codes.SPIKE], [0]], exits
-    assert [e["step"] for e in events(run) if e["event"] == "restore"] == [10, 20]
+    assert [e["step"] for e in evs if e["event"] == "restore"] == [10, 20]
     # Up to the NaN the run is the uninterrupted one, bit for bit (the flipped steps recomputed); after it,
     # every process skipped batch 22 and read every other batch exactly once (the audit, over both processes).
     losses, ref_losses = step_losses(run), step_losses(ref_run)

@@ -119,9 +119,9 @@ def test_nan_fires_at_once_even_in_warmup_without_probing():
 
 
 def test_the_loop_keeps_the_first_spike_while_the_group_agrees_to_exit():
-    """With several processes the group leaves a few steps after a spike (the agreement lags), and the detector
-    fires again on each of those steps (after a NaN update every loss is NaN): the runbook must get the first
-    span, the offending batch, not the latest (seen with 2 processes: batch 24 skipped for a NaN of batch 22)."""
+    """With several processes the group leaves a few steps after a spike (the agreement lags), and every step
+    after a NaN update is NaN: the detector reports the spike once, so the runbook gets its span, the offending
+    batch, not a later one (seen with 2 processes: batch 24 skipped for a NaN of batch 22)."""
     from trainer.train.flags import Flags
 
     det, _ = _detector()

@@ -79,6 +79,7 @@ class SpikeDetector:
         self._grad_high = 0  # consecutive steps with the grad norm above its bar
         self._probe: _Probe | None = None
         self._started = False
+        self._reported = False  # the spike is reported: the loop is leaving
 
     def on_step(self, step: int, rec: dict) -> dict | None:
         if not self._started:
@@ -86,6 +87,11 @@ class SpikeDetector:
             if self.events_path is not None:  # a restarted worker judges against the history before it
                 for r in recent_steps(self.events_path, upto=step - 1, n=self.cfg.window):
                     self._remember(r, self._bars() if len(self.signals[0].hist) >= self.cfg.min_history else None)
+        if self._reported:
+            # With several processes the group leaves a few steps after the report (the agreement lags); what
+            # those steps show is the spike's consequence (after a NaN update every loss is NaN), never a new
+            # one: reported, it would move the skip onto innocent batches and keep the offending one.
+            return None
         if self._probe is not None:
             return self._probe_step(step, rec)
         bad = [k for k in ("loss", "grad_norm", "update_norm") if k in rec and not math.isfinite(rec[k])]
@@ -152,6 +158,7 @@ class SpikeDetector:
         return self._spike(p.fired, end=p.end, open_=open_, probed=step - p.fired["began"])
 
     def _spike(self, fired: dict, *, end: int, open_: bool, probed: int) -> dict:
+        self._reported = True
         batches = [self.batch_of(s) for s in range(fired["began"], end + 1)]
         return {Do.KEY: Do.SPIKE, **fired, "end": end, "batches": batches, "open": open_, "probed": probed}
 

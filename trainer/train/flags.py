@@ -24,10 +24,7 @@ class Flags:
         """Monitors answer with {"do": one of trainer.observe.alerts.Do, ...}; the loop carries it out."""
         if action[Do.KEY] == Do.CHECKPOINT_NOW:
             self.save_now = action.get("reason", "requested")
-        elif action[Do.KEY] == Do.SPIKE and self.spike is None:
-            # The first spike is the one: with several processes the group exits a few steps after it (the
-            # agreement lags), and the detections in those steps are its consequences (a NaN update makes every
-            # later loss NaN); taking the latest would skip innocent batches and keep the offending one.
+        elif action[Do.KEY] == Do.SPIKE:
             self.spike = dict(action, step=step)
         elif action[Do.KEY] == Do.HOLD:
             self.hold_asked = True
