@@ -19,9 +19,9 @@ import pytest
 from conftest import ROOT, child_env, events, run_trainer, step_losses, summary, trainer_cmd
 from multihost import ONE, TWO, at_step, audit, group_overrides, heartbeat, reference, small_corpus
 
-from trainer.__main__ import PEER_DEATH_GRACE_S
 from trainer.config import ConfigError, DataConfig, LaunchConfig, load_config
 from trainer.observe import audit as audit_lib
+from trainer.observe.heartbeat import PULSE_S, PULSE_STALE_S
 from trainer.supervise import exit_codes, launcher, membership, nodes
 from trainer.train import data
 
@@ -36,12 +36,14 @@ def ref(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.mark.slow
 def test_kill_and_hang_tear_the_group_down_and_the_run_ends_identical(tmp_path, ref):
+    """A process SIGKILLed from outside, a hang (every process still pulses), then a process frozen (SIGSTOP: it
+    stops pulsing while its peer goes on): each takes the group down and it restarts together; each restart
+    accounts for its downtime part by part; the run ends identical."""
     ref_run, corpus = ref
     run = tmp_path / "run"
     step_timeout_s = 10
-    overrides = group_overrides(
-        corpus, *TWO, f"supervisor.step_timeout_s={step_timeout_s}", "faults=[{kind: hang, step: 22}]"
-    )
+    faults = "faults=[{kind: hang, step: 22}, {kind: signal, signal: SIGSTOP, step: 26, process: 1}]"
+    overrides = group_overrides(corpus, *TWO, f"supervisor.step_timeout_s={step_timeout_s}", faults)
     with open(tmp_path / "supervisor.log", "w") as log:  # a pipe nobody reads would stall the workers
         sup = subprocess.Popen(trainer_cmd(run, *overrides), cwd=ROOT, env=child_env(), stdout=log, stderr=log)
     victim = at_step(run, 1, 14, lambda: sup.poll() is None)  # past the checkpoint at step 10
@@ -54,26 +56,37 @@ def test_kill_and_hang_tear_the_group_down_and_the_run_ends_identical(tmp_path, 
     # 1st attempt: process 1 died by SIGKILL, the supervisor tore process 0 down.
     assert exits[0]["signal"] == "SIGKILL" and exits[0]["exits"][0] == [1, -9] and exits[0]["torn_down"] == [0]
     kill_teardown_s = exits[0]["time"] - t_kill
-    # Bounds relative to what the run would do otherwise, not seconds. Left alone, the survivor waits in its
-    # broken collective until the hang detector kills it a step timeout later, or, if the collective raises,
-    # leaves by itself PEER_DEATH_GRACE_S after the error (exit PEER_LOST): the launcher's SIGKILL comes first.
-    assert kill_teardown_s < PEER_DEATH_GRACE_S and exits[0]["exits"][1] == [0, -signal.SIGKILL], (
-        kill_teardown_s,
-        exits[0],
-    )
+    # Left alone, the survivor waits in its broken collective until the hang detector kills it a step timeout
+    # later, or, if the collective raises, leaves by itself PEER_DEATH_GRACE_S after the error (exit
+    # PEER_LOST): the launcher's SIGKILL comes first.
+    assert exits[0]["exits"][1] == [0, -signal.SIGKILL], (kill_teardown_s, exits[0])
+    assert kill_teardown_s < step_timeout_s, kill_teardown_s
     # 2nd attempt: process 0 hung at step 22 (process 1 waits in a collective); both killed after the timeout,
     # the kill following the stack dump before another step timeout could pass.
     hang = next(e for e in evs if e["event"] == "hang_detected")
     assert hang["step"] == 22 and hang["phase"] == "step"
     hang_teardown_s = exits[1]["time"] - hang["time"]
     assert hang_teardown_s < step_timeout_s, hang_teardown_s
+    # 3rd attempt: process 1 froze at step 26: named by its pulse, not by a timeout (its peer is blocked in a
+    # collective, silent too, so the hang check would wait the step timeout).
+    frozen = [e for e in evs if e["event"] == "hang_detected"][1]
+    assert frozen["phase"] == "frozen" and frozen["process"] == 1 and frozen["step"] >= 25, frozen
+    assert frozen["silent_s"] < PULSE_STALE_S + 2, frozen  # a poll or two past the threshold
+    # Each restart's downtime, part by part, adds up; the kill's (its time known here) is the kill-to-first-step.
+    down = [e for e in evs if e["event"] == "downtime"]
+    assert [d["reason"] for d in down] == ["signal SIGKILL", "hang", "hang"], down
+    assert all(abs(sum(d["parts_s"].values()) - d["total_s"]) < 0.01 for d in down), down
+    first = next(e for e in evs if e["event"] == "step" and e["time"] > exits[0]["time"])
+    assert abs(down[0]["total_s"] - (first["time"] - t_kill)) < 0.25, (down[0], first["time"] - t_kill)
+    assert down[2]["parts_s"]["noticed"] > PULSE_STALE_S - PULSE_S, down[2]
     print(
-        f"teardown after SIGKILL of one process: {kill_teardown_s:.2f}s; after hang detection: {hang_teardown_s:.2f}s"
+        f"teardown after SIGKILL of one process: {kill_teardown_s:.2f}s; after hang detection: {hang_teardown_s:.2f}s; "
+        f"frozen process named after {frozen['silent_s']:.1f}s; downtime {[d['parts_s'] for d in down]}"
     )
 
     # Bitwise the uninterrupted run, recomputed steps included.
     assert summary(run)["params_sha256"] == summary(ref_run)["params_sha256"]
-    assert summary(run)["restarts"] == 2
+    assert summary(run)["restarts"] == 3
     losses, ref_losses = step_losses(run), step_losses(ref_run)
     assert sorted(losses) == sorted(ref_losses) and all(set(v) == set(ref_losses[k]) for k, v in losses.items())
     # Only process 0 logs: one `step` event per step in an uninterrupted run.

@@ -17,7 +17,7 @@ from trainer.config import Config, ConfigError, load_config
 from trainer.observe import env_vars
 from trainer.supervise import exit_codes
 
-PEER_DEATH_GRACE_S = 3.0  # see run_worker
+PEER_DEATH_GRACE_S = 0.5  # see run_worker
 
 SUBCOMMANDS = {  # name: (module, one line for --help)
     "prepare": ("trainer.corpus.prepare", "tokenize a corpus once into a prepared DIR (or import token files)"),
@@ -108,12 +108,13 @@ def run_worker(cfg: Config) -> int:
             traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
-        if loop.in_training(e) and not isinstance(e, ConfigError):
-            # In training, a collective usually raises here because a peer died (killed, lost its node). Let
-            # the peer's death be seen first, so the launcher blames (and SLURM replaces) the right node.
+        if loop.in_training(e) and exit_codes.is_peer_loss(f"{type(e).__name__}: {e}"):
+            # In training, a collective raises this because a peer died (killed, lost its node): this process is
+            # a survivor. A peer that failed by itself left at once (exit 1 below), so its report is on its way;
+            # a moment for it to land first, then the launcher blames the peer's node, not ours. Every second
+            # here is downtime for the whole group (it was 3 s).
             time.sleep(PEER_DEATH_GRACE_S)
-            if exit_codes.is_peer_loss(f"{type(e).__name__}: {e}"):
-                os._exit(exit_codes.PEER_LOST)  # a survivor: the launcher blames the peer's node, not ours
+            os._exit(exit_codes.PEER_LOST)
         os._exit(2 if isinstance(e, ConfigError) else 1)
 
 

@@ -15,6 +15,7 @@ INIT_FROM = "init_from"  # params taken from another run (train.init_from)
 RESTORE = "restore"  # resumed from a checkpoint
 COMPILED = "compiled"
 WORKER_READY = "worker_ready"  # startup done: the first step is next
+DOWNTIME = "downtime"  # a restarted attempt's first step: what the failure cost, part by part (observe.downtime)
 STEP = "step"
 EVAL = "eval"
 HEALTH = "health"

@@ -23,7 +23,11 @@ from trainer.observe.events import NO_SPACE
 from trainer.observe.rundir import read_json, write_json
 
 PULSE_S = 1.0  # how often each worker says it is alive
-PULSE_STALE_S = 6.0  # a pulse this old: the process is frozen, not waiting (writes to a busy shared disk may lag)
+# A pulse this old while a peer's is fresh: the process is frozen or gone (its node lost, powered off, hung in
+# the kernel), not waiting; the supervisor acts on it at once, whatever supervisor.step_timeout_s says. Writes
+# to a busy shared disk may lag: benchmarks/downtime.py measures the largest gap of live pulses (the margin).
+PULSE_STALE_S = 6.0
+PULSE_FRESH_S = 3.0  # a peer whose pulse is at most this old is alive: a frozen process is judged against it
 
 
 def node_name(process: int) -> str:
@@ -63,17 +67,30 @@ class Heartbeat:
         self.node = node_name(process)
         self.timing: list[dict] | None = None  # clean-step timing marks (trainer.train.step_log): the straggler watch
         self._pulse = pulse_path(run_dir, process)
+        self._ending = False
+        self._lock = threading.Lock()
         threading.Thread(target=self._pulse_forever, name="pulse", daemon=True).start()
 
-    def _pulse_forever(self) -> None:
+    def _pulse_once(self) -> None:
         launch = os.environ.get(env_vars.LAUNCH_ID, "")
+        record = {"time": time.time(), "pid": os.getpid(), "launch": launch, "node": self.node}
+        try:
+            with self._lock:
+                write_json(self._pulse, dict(record, **({"ending": True} if self._ending else {})), indent=None)
+        except OSError as e:
+            if e.errno not in NO_SPACE:
+                raise
+
+    def _pulse_forever(self) -> None:
         while True:
-            try:
-                write_json(self._pulse, {"time": time.time(), "pid": os.getpid(), "launch": launch}, indent=None)
-            except OSError as e:
-                if e.errno not in NO_SPACE:
-                    raise
+            self._pulse_once()
             time.sleep(PULSE_S)
+
+    def ending(self) -> None:
+        """This process leaves on purpose (done, preempted, spike, ...): its pulse stopping soon after is no
+        failure, whatever its peers still do."""
+        self._ending = True
+        self._pulse_once()
 
     def beat(self, phase: str, step: int) -> None:
         # "launch" names the attempt (set by the supervisor), so a stale file from an old attempt never counts.

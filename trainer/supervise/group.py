@@ -79,6 +79,16 @@ class Group:
     pid: int
     stdout: Merged
     returncode: int | None = None
+    # Wall-clock times, for the downtime's parts (trainer.observe.downtime): the first exit or failure report of
+    # any process, and the first that was no survivor's reaction to a lost peer (0: none seen).
+    noticed_t: float = 0.0
+    cause_t: float = 0.0
+
+    def _seen(self, cause: bool) -> None:
+        now = time.time()
+        self.noticed_t = self.noticed_t or now
+        if cause:
+            self.cause_t = self.cause_t or now
 
     def poll(self) -> int | None:
         raise NotImplementedError

@@ -70,6 +70,30 @@ class Overdue:
             self.write(ALERT_CLEARED, step=s.step, kind=Kind.STEP_OVERDUE, detail=f"heartbeat moved ({s.phase})")
 
 
+@dataclass(frozen=True)
+class Pulses:
+    """Every process's pulse at one poll, judged: the process that stopped while a peer went on (None: none did),
+    its silence, and the largest silence of the processes still alive (how close a live one came to a verdict)."""
+
+    frozen: int | None
+    frozen_s: float
+    live_max_s: float
+
+
+def pulses(ps: list[dict | None], now: float) -> Pulses:
+    """`ps`: each process's pulse in this attempt (heartbeat.read_pulse; None before its first). A process is
+    frozen when its pulse is over PULSE_STALE_S old while a peer's is at most PULSE_FRESH_S old: its peers are
+    alive and, in lockstep, wait for it. Not judged: a process with no pulse yet (still starting: the startup
+    timeout covers it) or one leaving on purpose; nor a group that is silent as a whole (a stalled shared disk,
+    a suspended machine: the hang timeouts cover it)."""
+    ages = {i: now - p["time"] for i, p in enumerate(ps) if p is not None and not p.get("ending")}
+    fresh = any(a <= heartbeat.PULSE_FRESH_S for a in ages.values())
+    stale = [i for i, a in ages.items() if a > heartbeat.PULSE_STALE_S]
+    live = [a for a in ages.values() if a <= heartbeat.PULSE_STALE_S]
+    culprit = min(stale, key=lambda i: ps[i]["time"]) if stale and fresh else None
+    return Pulses(culprit, ages[culprit] if culprit is not None else 0.0, max(live, default=0.0))
+
+
 def hung_on(run_dir: Path, proc: group.Group, beats: list, hbs: list[dict | None]) -> tuple[int, str, str]:
     """(process, node, why) the hang points at. A frozen process (SIGSTOP, a node gone silent) stops
     pulsing while its peers, blocked in a collective waiting for it, still pulse; when all pulse (a stuck

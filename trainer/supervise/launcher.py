@@ -12,6 +12,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -69,6 +70,8 @@ class LocalGroup(Group):
             if i not in seen and p.poll() is not None:
                 self._exits.append((i, p.returncode))
                 self._first_exit_t = self._first_exit_t or time.monotonic()
+                if p.returncode != 0 and i not in self._killed:
+                    self._seen(cause=p.returncode not in CONSEQUENCES)
         causes = [c for i, c in self._exits if i not in self._killed]
         broken = [c for c in causes if c not in PEERS_FOLLOW]
         late = causes and time.monotonic() - self._first_exit_t > self._grace_s
@@ -106,12 +109,13 @@ _STEP_STARTED = re.compile(r"srun: Step created|\d+: ")
 # After a survivor reports a lost peer (exit PEER_LOST), how long the other tasks' reports may take before the
 # step is torn down: a task that really died is reported before its peers' PEER_LOST (they wait
 # trainer.__main__.PEER_DEATH_GRACE_S first); a lost node's task is never reported at all.
-PEER_REPORT_GRACE_S = 2.0
+PEER_REPORT_GRACE_S = 0.5
 # Reports that may be consequences, not causes: exit_codes.CONSEQUENCES (a survivor's lost peer, and SIGABRT: jax's
 # coordination client aborts when a peer vanishes). The other reports get PEER_REPORT_GRACE_S; any other kind is
 # the cause.
 # How long srun may wait for a step it cannot create before the attempt is ended and planned again.
 STEP_START_GRACE_S = 15.0
+_QUIET = {"timeout": 60, "capture_output": True}
 
 
 class SrunGroup(Group):
@@ -148,8 +152,11 @@ class SrunGroup(Group):
         line = line.rstrip()
         if m := NODE_FAILURE.search(line):
             self.node_failures.append(m.group(1))
+            self._seen(cause=True)
         elif (m := TASK_ERROR.search(line)) and (code := task_error_code(m.group(2))) is not None:
             self.errors.append((m.group(1), code))
+            if not self._killing:
+                self._seen(cause=code not in CONSEQUENCES)
             if code in CONSEQUENCES and not self._peer_lost_t:
                 self._peer_lost_t = time.monotonic()
         elif _STEP_BLOCKED.search(line) and not self.blocked:
@@ -189,17 +196,19 @@ class SrunGroup(Group):
         return self._step
 
     def send_signal(self, sig: int) -> None:
-        """Signals go to the step's tasks on every node: srun itself would turn SIGTERM into a kill."""
+        """Signals go to the step's tasks on every node: srun itself would turn SIGTERM into a kill. scancel runs
+        beside the supervisor, never in its way: it returns only once every node of the step answered, and a
+        lost node answers never (scancel waits SLURM's MessageTimeout for it: 10 s measured on the test cluster,
+        all of it downtime while the supervisor waited). The live nodes get the signal at once either way."""
         step = self._step_id() if self._proc.poll() is None else ""
-        if step:
-            subprocess.run(
-                ["scancel", f"--signal={signal.Signals(sig).name[3:]}", step], timeout=30, capture_output=True
-            )
         if sig == signal.SIGKILL or not step:  # no step yet (srun still waiting for nodes): stop srun
             try:
                 os.killpg(self._proc.pid, sig)
             except ProcessLookupError:
                 pass
+        if step:
+            cmd = ["scancel", f"--signal={signal.Signals(sig).name[3:]}", step]
+            threading.Thread(target=subprocess.run, args=(cmd,), kwargs=_QUIET, daemon=True).start()
 
     def describe_exit(self) -> dict:
         out: dict = {"first_task_error": list(self.first_error)} if self.first_error else {}

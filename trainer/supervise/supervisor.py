@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.config import Config
-from trainer.observe import env_vars, goodput, heartbeat, outcome, progress, rundir
+from trainer.observe import downtime, env_vars, goodput, heartbeat, outcome, progress, rundir
 from trainer.observe.event_names import (
     GAVE_UP,
     HANG_DETECTED,
@@ -48,6 +48,10 @@ class Attempt:
     stragglers: straggler.StragglerWatch | None = None  # with more than one process
     drain: straggler.Verdict | None = None  # straggler.action=drain asked the group to save and stop
     last: heartbeat.Snapshot | None = None  # its heartbeats once it has exited
+    pulse_gap_s: float = 0.0  # the largest pulse silence of a live process seen (the frozen rule's margin)
+    failed: float = 0.0  # a hang or frozen verdict's estimate of when the group stopped, and the verdict's time
+    noticed: float = 0.0
+    down: float = 0.0  # when its last process was gone
 
 
 # How often a shrunk group checks whether it can regrow (launch.suspect_retry_minutes).
@@ -69,12 +73,15 @@ class Supervisor:
         self.launcher = launcher.Launcher(cfg.launch, run_dir=self.run_dir)
         self.overdue = hang.Overdue(cfg.alerts.overdue_fraction, self.events.write)
         self.regrow = False  # the running group was asked to save and stop so that it restarts at full size
+        self.failure: dict | None = None  # the failure the next attempt recovers from (trainer.observe.downtime)
         self._regrow_checked = 0.0
 
     # --- worker lifecycle -------------------------------------------------------------------
     def _start(self, number: int) -> Attempt:
         log_dir = self.run_dir / rundir.LOGS
         env = dict(os.environ, **{env_vars.PYTHONUNBUFFERED: "1", env_vars.ATTEMPT: str(number)}, **progress.env())
+        if self.failure:
+            env[env_vars.FAILURE] = downtime.for_next_attempt(self.failure, launched=time.time())
         proc = self.launcher.start(number, self.worker_argv, env)
         for node, reason in self.launcher.new_suspects:
             self.events.write(NODE_SUSPECT, step=_last_step(self.run_dir), node=node, reason=reason)
@@ -133,9 +140,43 @@ class Supervisor:
             node=node,
             why=why,
         )
+        att.failed, att.noticed = s.since, time.time()
         if node:
             att.proc.blame_node(node, why)
         hang.dump_stacks(self.run_dir, att.proc, snap.beats, self.events.write)
+        att.hang = True
+        att.proc.send_signal(signal.SIGKILL)
+        return True
+
+    def _check_frozen(self, att: Attempt) -> bool:
+        """A process whose pulse stopped while its peers' go on (its node lost or gone silent, the process
+        stopped): acted on now, not a step timeout later. No stack dump: a frozen process cannot answer, and its
+        peers only wait for it."""
+        if att.proc.processes < 2:
+            return False
+        ps = [heartbeat.read_pulse(self.run_dir, i, att.proc.launch_id) for i in range(att.proc.processes)]
+        v = hang.pulses(ps, time.time())
+        att.pulse_gap_s = max(att.pulse_gap_s, v.live_max_s)
+        if v.frozen is None:
+            return False
+        node = ps[v.frozen].get("node", "")
+        why = f"its process {v.frozen} froze (no sign of life for {v.frozen_s:.1f} s) while its peers went on"
+        where = f" (node {node})" if node else ""
+        self.events.write(
+            HANG_DETECTED,
+            step=_last_step(self.run_dir),
+            pid=att.proc.pid,
+            phase="frozen",
+            silent_s=v.frozen_s,
+            timeout_s=heartbeat.PULSE_STALE_S,
+            process=v.frozen,
+            node=node,
+            why=why,
+        )
+        print(f"supervisor: the group is stuck: {why}{where}; restarting", file=sys.stderr)
+        att.failed, att.noticed = ps[v.frozen]["time"] + heartbeat.PULSE_S / 2, time.time()
+        if node:
+            att.proc.blame_node(node, why)
         att.hang = True
         att.proc.send_signal(signal.SIGKILL)
         return True
@@ -159,7 +200,9 @@ class Supervisor:
                 self.forwarded = True  # now wait for the save
             if not self.accepted:
                 continue
-            if self._check_hang(att, snap):
+            if self.failure and snap.beats[0] and snap.beats[0]["phase"] == "step":
+                self.failure = None  # recovered: this attempt trains (its first step wrote the downtime event)
+            if self._check_hang(att, snap) or self._check_frozen(att):
                 return att.proc.wait()
             self._watch_stragglers(att, snap)
             self._maybe_regrow(att)
@@ -215,6 +258,8 @@ class Supervisor:
                 straggler.report(straggler.CLEARED, v, self.events.write, ended.step)
             if (failed := self._remedy(d, att, ended.step)) is not None:
                 return failed
+            if d.do in (exit_codes.RESTART, exit_codes.RESUME):
+                self._note_failure(att, d.reason)
             self.tally = d.tally
             if d.do == exit_codes.RESTART:
                 self._restart(d, number, ended.step)
@@ -224,6 +269,7 @@ class Supervisor:
 
     def _ended(self, att: Attempt, code: int) -> exit_codes.Exited:
         """The worker_exit event, and what happened, for exit_codes.decide()."""
+        att.down = time.time()
         rundir.drop_empty_stacks(self.run_dir)  # every worker opens one; only a hang dump fills it
         att.last = self._snapshot(att)  # the worker is gone: its last beats
         how = att.proc.describe_exit()
@@ -234,6 +280,7 @@ class Supervisor:
             attempt=att.number,
             **how,
             **({"signal": signal.Signals(-code).name} if code < 0 else {"exit_code": code}),
+            **({"pulse_gap_s": round(att.pulse_gap_s, 2)} if att.proc.processes > 1 else {}),
         )
         return exit_codes.Exited(
             code,
@@ -245,6 +292,18 @@ class Supervisor:
             hung=att.hang,
             blocked=bool(how.get("step_blocked")),
         )
+
+    def _note_failure(self, att: Attempt, reason: str) -> None:
+        """What the next attempt's downtime event starts from: when this group failed, when the supervisor knew,
+        when the group was gone (the remedy that ran since, a runbook's say, is the relaunch's)."""
+        noticed = att.noticed or att.proc.noticed_t or att.down
+        if att.failed:
+            failed = min(att.failed, noticed)
+        else:
+            ps = [heartbeat.read_pulse(self.run_dir, i, att.proc.launch_id) for i in range(att.proc.processes)]
+            failed = downtime.failed_at(ps, cause_t=att.proc.cause_t, noticed=noticed)
+        since = self.failure["since"] if self.failure else failed  # an attempt that never stepped prolongs it
+        self.failure = {"since": since, "failed": failed, "noticed": noticed, "down": att.down, "reason": reason}
 
     def _remedy(self, d: exit_codes.Decision, att: Attempt, step: int | None) -> int | None:
         """What runs between the attempts (exit_codes.Rule.remedy); the exit code if it failed."""

@@ -69,6 +69,7 @@ def run(cfg: Config) -> int:
     _install_signals(w, flags)
     _enter(w, "startup", _newest_durable(w))  # a startup-phase fault at step S fires in a restart from S or later
     code = _train(w, flags, _start_up(w, t_start))
+    w.heartbeat.ending()
     w.events.close()
     w.scalars.close()
     if env_vars.ATTEMPT not in os.environ:  # unsupervised: no one else will tidy up, report or say the end
@@ -124,7 +125,8 @@ def _start_up(w: Worker, t_start: float) -> _Start:
     feed = data.Feed(it, _audit_log(w, start) if cfg.data.audit else None, mesh_lib.batch_sharding(w.mesh))
     step_fn = _compile(w, start)
     ev = evaluate.build(w)  # compiled now too: the first eval is no slow step
-    startup_s = time.time() - t_start
+    w.marks["ready"] = time.time()
+    startup_s = w.marks["ready"] - t_start
     w.events.write(WORKER_READY, step=start, startup_s=startup_s, pid=os.getpid())
     return _Start(st, start, feed, step_fn, ev, startup_s)
 
@@ -155,11 +157,12 @@ def _restore_or_init(w: Worker):
     # The phase's step is the newest committed durable checkpoint (0: none): what `status` shows while it is
     # read, and what a restore-phase fault compares with (one at step S fires in a restore of S or later).
     _enter(w, "restore", _newest_durable(w))
-    t0 = time.perf_counter()
+    t0, w.marks["restoring"] = time.perf_counter(), time.time()
     restored = w.ckpt.restore_newest(
         w.spec.abstract,
         layout={"processes": jax.process_count(), "mesh": dict(zip(mesh_lib.AXES, w.mesh.devices.shape))},
     )
+    w.marks["restored"] = time.time()
     if restored is None:
         st = w.spec.init()
         if w.init_from:  # fine-tuning: another run's params, this run's fresh optimizer state, RNG and schedule

@@ -8,7 +8,8 @@ import time
 import jax
 
 from trainer.model.model import flops_per_token
-from trainer.observe.event_names import STEP
+from trainer.observe import downtime
+from trainer.observe.event_names import DOWNTIME, STEP
 from trainer.observe.progress import Progress
 from trainer.parallel import mesh as mesh_lib
 from trainer.train.flags import Flags
@@ -91,6 +92,9 @@ class StepLog:
             rec["mfu"] = tps * self.flops_per_token / self.peak
             rec["mfu_full_attn"] = tps * self.flops_per_token_full_attn / self.peak
         w.events.write(STEP, step=step, **rec)
+        if self.loss is None and w.primary and (failure := downtime.handed_over()):  # the attempt's first step
+            marks = dict(w.marks, started=downtime.process_start(), stepped=time.time())
+            w.events.write(DOWNTIME, step=step, **downtime.event_fields(failure, marks), first_step_s=dt)
         for mon in w.monitors:
             if (action := mon.on_step(step, rec)) is not None:
                 self.flags.act(step, action)

@@ -65,6 +65,8 @@ class Worker:
     init_from: dict | None  # train.init_from's checkpoint (weights.init_source); a resume keeps the checkpoint's
     # Observers of each step's metrics: objects with on_step(step, rec) -> action dict | None.
     monitors: list = dataclasses.field(default_factory=list)
+    # When this attempt's start-up reached each boundary of trainer.observe.downtime.MARKS (restoring, ...).
+    marks: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def setup_compile_cache(path: str) -> None:
