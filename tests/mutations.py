@@ -546,8 +546,8 @@ MUTATIONS = [
         (
             (
                 "trainer/observe/heartbeat.py",
-                "                if e.errno not in NO_SPACE:\n                    raise",
-                "                raise",
+                "            if e.errno not in NO_SPACE:\n                raise\n\n    def _pulse_forever",
+                "            raise\n\n    def _pulse_forever",
             ),
         ),
         ("tests/test_integrity.py::test_heartbeats_and_pulses_survive_a_full_disk",),
@@ -1525,7 +1525,7 @@ MUTATIONS = [
         "the run dir's lock is a shared one: a second supervisor trains on a run dir another one drives",
         (
             (
-                "trainer/supervise/supervisor.py",
+                "trainer/observe/rundir.py",
                 "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)",
                 "fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)",
             ),
@@ -1583,5 +1583,68 @@ MUTATIONS = [
         ),
         ("tests/test_integrity.py::test_two_processes_on_a_disk_that_stays_full_stop_with_exit_81_and_its_line",),
         catch="assert code == exit_codes.STORAGE, text[-3000:]",
+    ),
+    M(
+        "frozen_without_a_live_peer",
+        "the supervisor calls a process frozen whenever its pulse is old, even when every pulse is (a stalled "
+        "shared disk, a suspended machine): a false verdict and a restart for nothing",
+        (("trainer/supervise/hang.py", "if stale and fresh else None", "if stale else None"),),
+        ("tests/test_downtime.py::test_a_frozen_process_is_named_only_while_a_peer_is_alive",),
+        catch="assert hang.pulses([pulse(stale), pulse(stale + 1)], NOW).frozen is None",
+    ),
+    M(
+        "frozen_when_leaving",
+        "a process that left on purpose (done, preempted) is called frozen once its pulse stops",
+        (
+            (
+                "trainer/supervise/hang.py",
+                'if p is not None and not p.get("ending")}',
+                "if p is not None}",
+            ),
+        ),
+        ("tests/test_downtime.py::test_a_frozen_process_is_named_only_while_a_peer_is_alive",),
+        catch="assert hang.pulses([pulse(fresh), pulse(stale, ending=True)], NOW).frozen is None",
+    ),
+    M(
+        "frozen_only_by_timeout",
+        "a frozen process is left to the step timeout (its peers wait silently in a collective): the group waits "
+        "supervisor.step_timeout_s, not seconds",
+        (
+            (
+                "trainer/supervise/supervisor.py",
+                "if self._check_hang(att, snap) or self._check_frozen(att):",
+                "if self._check_hang(att, snap):",
+            ),
+        ),
+        ("tests/test_multihost.py::test_kill_and_hang_tear_the_group_down_and_the_run_ends_identical",),
+        catch='assert frozen["phase"] == "frozen" and frozen["process"] == 1 and frozen["step"] >= 25, frozen',
+    ),
+    M(
+        "downtime_from_the_notice",
+        "a restart's downtime counts from when the supervisor knew, not from the failure (the time a frozen "
+        "process went unnoticed disappears from the accounting)",
+        (
+            (
+                "trainer/supervise/supervisor.py",
+                'self.failure = {"since": since, "failed": failed,',
+                'self.failure = {"since": since, "failed": noticed,',
+            ),
+        ),
+        ("tests/test_multihost.py::test_kill_and_hang_tear_the_group_down_and_the_run_ends_identical",),
+        catch='assert down[2]["parts_s"]["noticed"] > PULSE_STALE_S - PULSE_S, down[2]',
+    ),
+    M(
+        "downtime_launch_from_python",
+        "a restarted process counts its start from when Python got going, not from the kernel's record of its "
+        "start (the interpreter's start-up vanishes from the accounting)",
+        (
+            (
+                "trainer/observe/downtime.py",
+                '        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))',
+                "        return time.time()",
+            ),
+        ),
+        ("tests/test_downtime.py::test_a_process_knows_when_it_started",),
+        catch="assert late - 0.02 < since_start < time.time() - t0 + 0.02, (since_start, time.time() - t0)",
     ),
 ]

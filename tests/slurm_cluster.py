@@ -644,6 +644,18 @@ def lose_node(env: dict[str, str], name: str, *, mark_down: bool = False, timeou
     return took
 
 
+def freeze_node(env: dict[str, str], name: str) -> set[int]:
+    """Node ``name`` goes silent without closing anything (power loss, a kernel hang, its NIC gone): its slurmd,
+    slurmstepds and job tasks are SIGSTOPped together; their connections stay open and their peers hear
+    nothing. Returns the stopped pids; ``lose_node`` ends them."""
+    c = _cluster(env)
+    pids = _node_pids(c, name)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGSTOP)
+    return pids
+
+
 def restore_node(env: dict[str, str], name: str, timeout: float = 60.0) -> float:
     """Start node ``name``'s slurmd again (fresh, empty node-local storage) and wait until it is back in
     service: responding and not down/drained (``idle``, or ``mixed``/``allocated`` while a job still holds

@@ -87,11 +87,15 @@ def configure_devices(cfg: Config) -> None:
 
 
 def run_worker(cfg: Config) -> int:
-    configure_devices(cfg)
     from trainer.parallel import distributed
+    from trainer.train import loop  # jax, flax, optax, orbax, grain: most of a worker's start-up
 
+    if os.environ.get(env_vars.STANDBY):  # started ahead by the supervisor: wait for the attempt to begin
+        from trainer.supervise import standby
+
+        standby.wait_for_go(cfg.run.dir)
+    configure_devices(cfg)
     me = distributed.initialize(cfg.launch, cpu=bool(cfg.mesh.cpu_devices))
-    from trainer.train import loop
 
     if me.processes <= 1:
         return loop.run(cfg)

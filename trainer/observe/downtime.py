@@ -35,7 +35,7 @@ PARTS = {
 }
 
 
-def failed_at(pulses: list[dict | None], *, cause_t: float, noticed: float) -> float:
+def failed_at(pulses: list[dict | None], cause_t: float, noticed: float) -> float:
     """When a group failed that ended by itself: when the first process that failed by itself was seen leaving
     (`cause_t`, within a poll); where none was (a lost node's process is never reported, only its survivors'
     reactions), within a pulse of the oldest pulse that stopped, not leaving on purpose; else when noticed."""
@@ -66,10 +66,10 @@ def process_start() -> float:
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, clock ticks after boot
-        with open("/proc/stat") as f:
-            boot = next(int(ln.split()[1]) for ln in f if ln.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])  # not /proc/stat's btime: whole seconds
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return time.time()
 
 

@@ -5,6 +5,7 @@ script, spells its own). No imports.
 # --- set by the supervisor and its launcher for the worker processes ---------------------------------------
 ATTEMPT = "TRAINER_ATTEMPT"  # the attempt's number: restarts use a fresh coordinator port; unset = unsupervised
 LAUNCH_ID = "TRAINER_LAUNCH_ID"  # workers put it in their heartbeats: stale files of old attempts never match
+STANDBY = "TRAINER_STANDBY"  # "1": a standby worker, waiting on stdin for its attempt (trainer.supervise.standby)
 FAILURE = "TRAINER_FAILURE"  # the failure a restarted attempt recovers from: its times (trainer.observe.downtime)
 # The explicit process group: the local launcher sets these, and so can a user on any other launcher.
 NUM_PROCESSES = "TRAINER_NUM_PROCESSES"

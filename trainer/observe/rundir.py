@@ -7,6 +7,7 @@ Every JSON we write is strict (RFC 8259): a NaN or infinite float is written as 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -114,3 +115,15 @@ def read_json(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return obj if isinstance(obj, dict) else None
+
+
+def lock(run_dir: Path) -> int | None:
+    """One supervisor per run dir: an flock on the directory itself (its fd, or None: held by another). The
+    kernel releases it when the holder dies, so a stale lock from a dead supervisor is simply taken over."""
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd

@@ -4,6 +4,7 @@ helpers for a hang (trainer.supervise.supervisor judges each poll's heartbeats w
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from trainer.observe import heartbeat, rundir
 from trainer.observe.alerts import ALERTS, Kind
-from trainer.observe.event_names import ALERT, ALERT_CLEARED, STACKS_DUMPED
+from trainer.observe.event_names import ALERT, ALERT_CLEARED, HANG_DETECTED, STACKS_DUMPED
 from trainer.supervise import group
 
 
@@ -78,6 +79,7 @@ class Pulses:
     frozen: int | None
     frozen_s: float
     live_max_s: float
+    failed: float = 0.0  # when the frozen process failed: within a pulse period after its last pulse (midpoint)
 
 
 def pulses(ps: list[dict | None], now: float) -> Pulses:
@@ -91,7 +93,36 @@ def pulses(ps: list[dict | None], now: float) -> Pulses:
     stale = [i for i, a in ages.items() if a > heartbeat.PULSE_STALE_S]
     live = [a for a in ages.values() if a <= heartbeat.PULSE_STALE_S]
     culprit = min(stale, key=lambda i: ps[i]["time"]) if stale and fresh else None
-    return Pulses(culprit, ages[culprit] if culprit is not None else 0.0, max(live, default=0.0))
+    if culprit is None:
+        return Pulses(None, 0.0, max(live, default=0.0))
+    return Pulses(culprit, ages[culprit], max(live, default=0.0), ps[culprit]["time"] + heartbeat.PULSE_S / 2)
+
+
+def frozen(run_dir: Path, proc: group.Group, write: Callable, *, step: int | None) -> Pulses:
+    """Judge the group's pulses now; a frozen process (its node lost or gone silent, the process stopped) gets
+    its hang_detected event (phase "frozen"), its node the blame, and one line on stderr. No stack dump: a
+    frozen process cannot answer, and its peers only wait for it. The caller kills the group."""
+    ps = [heartbeat.read_pulse(run_dir, i, proc.launch_id) for i in range(proc.processes)]
+    v = pulses(ps, time.time())
+    if v.frozen is None:
+        return v
+    node = ps[v.frozen].get("node", "")
+    why = f"its process {v.frozen} froze (no sign of life for {v.frozen_s:.1f} s) while its peers went on"
+    write(
+        HANG_DETECTED,
+        step=step,
+        pid=proc.pid,
+        phase="frozen",
+        silent_s=v.frozen_s,
+        timeout_s=heartbeat.PULSE_STALE_S,
+        process=v.frozen,
+        node=node,
+        why=why,
+    )
+    print(f"supervisor: the group is stuck: {why}{f' (node {node})' if node else ''}; restarting", file=sys.stderr)
+    if node:
+        proc.blame_node(node, why)
+    return v
 
 
 def hung_on(run_dir: Path, proc: group.Group, beats: list, hbs: list[dict | None]) -> tuple[int, str, str]:

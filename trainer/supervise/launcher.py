@@ -34,28 +34,39 @@ from trainer.supervise.nodes import (
     task_error_code,
     write_suspects,
 )
+from trainer.supervise.standby import Standby
 
 
 class LocalGroup(Group):
     """N worker processes on this machine; process 0 hosts the jax coordinator on a local port."""
 
     def __init__(
-        self, argv: list[str], env: Mapping[str, str], *, processes: int, port: int, grace_s: float, cpus: int = 0
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        *,
+        processes: int,
+        port: int,
+        grace_s: float,
+        cpus: int = 0,
+        standby: Standby | None = None,
     ):
-        """`cpus` > 0: process i runs on its own `cpus` CPUs of this machine (round robin), as on its own host."""
+        """`cpus` > 0: process i runs on its own `cpus` CPUs of this machine (round robin), as on its own host.
+        `standby`: processes started ahead for this attempt (trainer.supervise.standby), used if they fit."""
         self.processes, self.nodes, self.launch_id = processes, [], uuid.uuid4().hex[:12]
         self._grace_s = grace_s
         base = dict(env, **{env_vars.LAUNCH_ID: self.launch_id})
         if processes > 1:
             base.update({env_vars.NUM_PROCESSES: str(processes), env_vars.COORDINATOR: f"127.0.0.1:{port}"})
-        self.procs = [
-            spawn(
-                argv,
-                dict(base, **({env_vars.PROCESS_ID: str(i)} if processes > 1 else {})),
-                cpus=tuple((i * cpus + j) % os.cpu_count() for j in range(cpus)),
-            )
-            for i in range(processes)
-        ]
+        envs = [dict(base, **({env_vars.PROCESS_ID: str(i)} if processes > 1 else {})) for i in range(processes)]
+        self.standby = "" if standby is None else "ready" if standby.ready() else "starting"
+        if standby is not None and standby.ready_for(argv, processes):
+            self.procs = standby.go(envs)
+        else:
+            if standby is not None:
+                standby.close()
+                self.standby = ""
+            self.procs = [spawn(argv, e, cpus=pinned(i, cpus)) for i, e in enumerate(envs)]
         self.pid = self.procs[0].pid
         self.stdout = Merged([p.stdout for p in self.procs], label=processes > 1)
         self._exits: list[tuple[int, int]] = []  # (process, code) in the order we saw them
@@ -86,6 +97,11 @@ class LocalGroup(Group):
 
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self.procs]
+
+    def describe(self) -> dict:
+        """For the worker_start event; `standby`: its processes were started ahead, "ready" (imports done) or
+        "starting" (they go on as soon as their imports are)."""
+        return dict(super().describe(), **({"standby": self.standby} if self.standby else {}))
 
     def describe_exit(self) -> dict:
         if self.processes == 1:
@@ -275,10 +291,12 @@ class Launcher:
         self.new_suspects: list[tuple[str, str]] = []  # (node, reason) found by the latest start(), for events
         self.retried: list[str] = []  # suspects the latest start() used again (launch.suspect_retry_minutes)
         self._last: Group | None = None
+        self._standby: Standby | None = None  # the next attempt's processes, started ahead (warm)
         self._guard: subprocess.Popen | None = None  # the guards' srun step (start_guard)
         self._guarded = False
         self.allocated: list[str] = []
         self._file = Path(run_dir) / rundir.SUSPECT_NODES if run_dir is not None else None
+        self._run_dir = Path(run_dir) if run_dir is not None else Path(".")
         if cfg.mode == "slurm":
             if env_vars.SLURM_JOB_ID not in env:
                 raise ConfigError("launch.mode=slurm needs a SLURM allocation (run launch/slurm.sbatch with sbatch)")
@@ -302,6 +320,7 @@ class Launcher:
         env = dict(env, **{env_vars.ATTEMPT: str(attempt)})
         if self.cfg.mode == "local":
             port = self.cfg.coordinator_port + attempt if self.cfg.coordinator_port else free_port()
+            standby, self._standby = self._standby, None
             self._last = LocalGroup(
                 argv,
                 env,
@@ -309,6 +328,7 @@ class Launcher:
                 port=port,
                 grace_s=self.cfg.exit_grace_s,
                 cpus=self.cfg.cpus_per_process,
+                standby=standby,
             )
             return self._last
         self.new_suspects = []
@@ -351,6 +371,19 @@ class Launcher:
             avoid,
         )
 
+    def warm(self, argv: list[str], env: Mapping[str, str]) -> None:
+        """Local mode with launch.standby: start the next attempt's processes now, to wait (once; `env`: the
+        environment every attempt shares)."""
+        if self.cfg.mode == "local" and self.cfg.standby and self._standby is None:
+            cpus = [pinned(i, self.cfg.cpus_per_process) for i in range(self.cfg.processes)]
+            self._standby = Standby(argv, env, processes=self.cfg.processes, cpus=cpus, run_dir=self._run_dir)
+
+    def close(self) -> None:
+        """The supervisor ends: standby processes are let go."""
+        if self._standby is not None:
+            self._standby.close()
+            self._standby = None
+
     def start_guard(self, run_dir: Path, env: Mapping[str, str] = os.environ) -> None:
         """Under SLURM, once: the supervisor's lease, and a guard on every other node that requeues the job
         if the lease stops (the batch host lost: trainer.supervise.guard)."""
@@ -385,6 +418,11 @@ class Launcher:
         """For the worker_start event: where this attempt runs, and which nodes it avoided."""
         info = self._last.describe() if self._last else {}
         return dict(info, suspect_nodes=sorted(self.suspects)) if self.suspects else info
+
+
+def pinned(process: int, cpus: int) -> tuple[int, ...]:
+    """launch.cpus_per_process: the CPUs local process `process` may run on (none: any)."""
+    return tuple((process * cpus + j) % os.cpu_count() for j in range(cpus))
 
 
 def free_port() -> int:

@@ -6,7 +6,6 @@ fast and survives whatever the accelerator stack does to the worker.
 from __future__ import annotations
 
 import collections
-import fcntl
 import os
 import shutil
 import signal
@@ -52,10 +51,13 @@ class Attempt:
     failed: float = 0.0  # a hang or frozen verdict's estimate of when the group stopped, and the verdict's time
     noticed: float = 0.0
     down: float = 0.0  # when its last process was gone
+    trains_since: float = 0.0  # when its heartbeat first said "step"
 
 
 # How often a shrunk group checks whether it can regrow (launch.suspect_retry_minutes).
 REGROW_CHECK_S = 10.0
+# The next attempt's standby processes (launch.standby) start this long after the running one trains.
+STANDBY_AFTER_S = 1.0
 
 
 class Supervisor:
@@ -79,7 +81,7 @@ class Supervisor:
     # --- worker lifecycle -------------------------------------------------------------------
     def _start(self, number: int) -> Attempt:
         log_dir = self.run_dir / rundir.LOGS
-        env = dict(os.environ, **{env_vars.PYTHONUNBUFFERED: "1", env_vars.ATTEMPT: str(number)}, **progress.env())
+        env = dict(self._env(), **{env_vars.ATTEMPT: str(number)})
         if self.failure:
             env[env_vars.FAILURE] = downtime.for_next_attempt(self.failure, launched=time.time())
         proc = self.launcher.start(number, self.worker_argv, env)
@@ -93,6 +95,10 @@ class Supervisor:
         threading.Thread(target=self._pump, args=(att, log_dir), daemon=True).start()
         self.events.write(WORKER_START, pid=proc.pid, attempt=number, **self.launcher.describe())
         return att
+
+    def _env(self) -> dict[str, str]:
+        """The environment every attempt's workers share (a standby's too: trainer.supervise.standby)."""
+        return dict(os.environ, **{env_vars.PYTHONUNBUFFERED: "1"}, **progress.env())
 
     def _pump(self, att: Attempt, log_dir: Path) -> None:
         """Copy worker output to our stderr (library noise only to the log) and a per-attempt log; keep a tail
@@ -149,35 +155,15 @@ class Supervisor:
         return True
 
     def _check_frozen(self, att: Attempt) -> bool:
-        """A process whose pulse stopped while its peers' go on (its node lost or gone silent, the process
-        stopped): acted on now, not a step timeout later. No stack dump: a frozen process cannot answer, and its
-        peers only wait for it."""
+        """A process whose pulse stopped while its peers' go on: the group is killed now, not a step timeout
+        later (trainer.supervise.hang.frozen)."""
         if att.proc.processes < 2:
             return False
-        ps = [heartbeat.read_pulse(self.run_dir, i, att.proc.launch_id) for i in range(att.proc.processes)]
-        v = hang.pulses(ps, time.time())
+        v = hang.frozen(self.run_dir, att.proc, self.events.write, step=_last_step(self.run_dir))
         att.pulse_gap_s = max(att.pulse_gap_s, v.live_max_s)
         if v.frozen is None:
             return False
-        node = ps[v.frozen].get("node", "")
-        why = f"its process {v.frozen} froze (no sign of life for {v.frozen_s:.1f} s) while its peers went on"
-        where = f" (node {node})" if node else ""
-        self.events.write(
-            HANG_DETECTED,
-            step=_last_step(self.run_dir),
-            pid=att.proc.pid,
-            phase="frozen",
-            silent_s=v.frozen_s,
-            timeout_s=heartbeat.PULSE_STALE_S,
-            process=v.frozen,
-            node=node,
-            why=why,
-        )
-        print(f"supervisor: the group is stuck: {why}{where}; restarting", file=sys.stderr)
-        att.failed, att.noticed = ps[v.frozen]["time"] + heartbeat.PULSE_S / 2, time.time()
-        if node:
-            att.proc.blame_node(node, why)
-        att.hang = True
+        att.failed, att.noticed, att.hang = v.failed, time.time(), True
         att.proc.send_signal(signal.SIGKILL)
         return True
 
@@ -200,8 +186,11 @@ class Supervisor:
                 self.forwarded = True  # now wait for the save
             if not self.accepted:
                 continue
-            if self.failure and snap.beats[0] and snap.beats[0]["phase"] == "step":
-                self.failure = None  # recovered: this attempt trains (its first step wrote the downtime event)
+            if snap.beats[0] and snap.beats[0]["phase"] == "step":  # it trains: recovered, if it recovers
+                self.failure = None  # (its first step wrote the downtime event)
+                att.trains_since = att.trains_since or time.time()
+                if time.time() - att.trains_since > STANDBY_AFTER_S:  # not beside its own first steps
+                    self.launcher.warm(self.worker_argv, self._env())
             if self._check_hang(att, snap) or self._check_frozen(att):
                 return att.proc.wait()
             self._watch_stragglers(att, snap)
@@ -297,11 +286,8 @@ class Supervisor:
         """What the next attempt's downtime event starts from: when this group failed, when the supervisor knew,
         when the group was gone (the remedy that ran since, a runbook's say, is the relaunch's)."""
         noticed = att.noticed or att.proc.noticed_t or att.down
-        if att.failed:
-            failed = min(att.failed, noticed)
-        else:
-            ps = [heartbeat.read_pulse(self.run_dir, i, att.proc.launch_id) for i in range(att.proc.processes)]
-            failed = downtime.failed_at(ps, cause_t=att.proc.cause_t, noticed=noticed)
+        ps = [heartbeat.read_pulse(self.run_dir, i, att.proc.launch_id) for i in range(att.proc.processes)]
+        failed = min(att.failed, noticed) if att.failed else downtime.failed_at(ps, att.proc.cause_t, noticed)
         since = self.failure["since"] if self.failure else failed  # an attempt that never stepped prolongs it
         self.failure = {"since": since, "failed": failed, "noticed": noticed, "down": att.down, "reason": reason}
 
@@ -412,32 +398,23 @@ def _last_step(run_dir: Path) -> int | None:
     return hb["step"] if hb else None
 
 
-def _lock(run_dir: Path) -> int | None:
-    """flock on the run dir itself: released by the kernel when the holder dies, so a stale lock
-    from a dead supervisor is simply taken over."""
-    fd = os.open(run_dir, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
 def main(cfg: Config, config_path: str | None, overrides: list[str]) -> int:
     run_dir = Path(cfg.run.dir)
     argv = (["--config", config_path] if config_path else []) + [a for o in overrides for a in ("--set", o)]
     sup = Supervisor(cfg, argv)  # first: it may still refuse the config (launch settings), before any write
     created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
-    fd = _lock(run_dir)
+    fd = rundir.lock(run_dir)
     if fd is None:
         print(
             f"error: run.dir {run_dir} is in use by another supervisor; wait for it or pick another run.dir",
             file=sys.stderr,
         )
         return exit_codes.LOCKED
-    code = sup.run()
+    try:
+        code = sup.run()
+    finally:
+        sup.launcher.close()
     if code == exit_codes.CONFIG and created and not sup.accepted:
         shutil.rmtree(run_dir, ignore_errors=True)  # leave no trace of a run that never started
     return code

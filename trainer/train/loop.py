@@ -7,6 +7,7 @@ except one step behind.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import errno
 import faulthandler
@@ -95,6 +96,11 @@ def in_training(e: BaseException) -> bool:
 def _start_up(w: Worker, t_start: float) -> _Start:
     """Restore (or init), then everything the first step needs ready: data, the compiled step and eval."""
     cfg = w.cfg
+    # The step is traced and compiled (a cache hit on a restart) while the checkpoint is read: neither needs
+    # the other, and a restart waits for the longer of the two, not their sum.
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
+    compiling = pool.submit(_lower_and_compile, w)
+    pool.shutdown(wait=False)  # its one task still runs; the thread ends with it
     st, start, tier = _restore_or_init(w)
     if w.primary:  # one line saying where this attempt begins, before any library output
         print(
@@ -123,7 +129,7 @@ def _start_up(w: Worker, t_start: float) -> _Start:
     )
     it.set_state({"next_index": start})
     feed = data.Feed(it, _audit_log(w, start) if cfg.data.audit else None, mesh_lib.batch_sharding(w.mesh))
-    step_fn = _compile(w, start)
+    step_fn = _compiled(w, start, compiling)
     ev = evaluate.build(w)  # compiled now too: the first eval is no slow step
     w.marks["ready"] = time.time()
     startup_s = w.marks["ready"] - t_start
@@ -190,14 +196,18 @@ def _audit_log(w: Worker, start: int) -> AuditLog:
     )
 
 
-def _compile(w: Worker, start: int):
-    """The train step compiled ahead of time (a cache hit on restart), shardings fixed."""
-    _enter(w, "compile", start)
+def _lower_and_compile(w: Worker):
+    """The train step compiled ahead of time (a cache hit on restart), shardings fixed; and its seconds."""
     t0 = time.perf_counter()
     compiled = lower_train_step(w.spec, w.mesh, w.cfg, microbatches=w.microbatches).compile()
-    w.events.write(
-        COMPILED, step=start, seconds=time.perf_counter() - t0, microbatches=w.microbatches, **runtime(w.cfg)
-    )
+    return compiled, time.perf_counter() - t0
+
+
+def _compiled(w: Worker, start: int, compiling: concurrent.futures.Future):
+    """The compiled step, once the compile begun beside the restore is done (the compile phase: what is left)."""
+    _enter(w, "compile", start)
+    compiled, seconds = compiling.result()
+    w.events.write(COMPILED, step=start, seconds=seconds, microbatches=w.microbatches, **runtime(w.cfg))
     return compiled
 
 
