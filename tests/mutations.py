@@ -1273,7 +1273,7 @@ MUTATIONS = [
         "srun kills the peer of a task that left on purpose (a full disk's exit 81): the peer's node is blamed",
         (
             (
-                "trainer/supervise/launcher.py",
+                "trainer/supervise/srun_group.py",
                 "and not (chosen and c == -signal.SIGKILL)",
                 "",
             ),

@@ -22,7 +22,7 @@ from multihost import ONE, TWO, at_step, audit, group_overrides, heartbeat, refe
 from trainer.config import ConfigError, DataConfig, LaunchConfig, load_config
 from trainer.observe import audit as audit_lib
 from trainer.observe.heartbeat import PULSE_S, PULSE_STALE_S
-from trainer.supervise import exit_codes, launcher, membership, nodes
+from trainer.supervise import exit_codes, launcher, membership, nodes, srun_group
 from trainer.train import data
 
 
@@ -370,9 +370,9 @@ def test_srun_step_command_and_task_errors():
     assert nodes.task_error_code("Exited with exit code 75") == 75
 
 
-def _srun_output(*lines: str) -> launcher.SrunGroup:
+def _srun_output(*lines: str) -> srun_group.SrunGroup:
     """An SrunGroup that read `lines` from srun (the step itself is `true`)."""
-    g = launcher.SrunGroup(["true"], {}, processes=2, nodes=["n1", "n2"], launch_id="t", job_id="1")
+    g = srun_group.SrunGroup(["true"], {}, processes=2, nodes=["n1", "n2"], launch_id="t", job_id="1")
     g.wait(timeout=30)
     for ln in lines:
         g._watch(ln + "\n")

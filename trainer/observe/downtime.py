@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 
 from trainer.observe import env_vars
+from trainer.observe.event_names import DOWNTIME
 from trainer.observe.heartbeat import PULSE_S
 
 # The boundaries, in order, and the part that ends at each.
@@ -95,3 +97,17 @@ def event_fields(failure: dict, worker: dict[str, float]) -> dict:
         "parts_s": {k: round(v, 3) for k, v in secs.items()},
         **({"failed_attempts_s": round(earlier, 3)} if earlier else {}),
     }
+
+
+def status_line(events: list[dict]) -> str | None:
+    """`status`'s line: the latest restart's downtime part by part, and the median of all of them."""
+    downs = [e for e in events if e["event"] == DOWNTIME]
+    if not downs:
+        return None
+    last = downs[-1]
+    parts = "  ".join(f"{k} {v:.1f}" for k, v in last["parts_s"].items() if v >= 0.05)
+    median = statistics.median(d["total_s"] for d in downs)
+    return (
+        f"downtime  last {last['total_s']:.1f}s ({last.get('reason', '?')}; training again at step "
+        f"{last.get('step')}): {parts}   median {median:.1f}s of {len(downs)}"
+    )

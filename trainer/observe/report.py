@@ -20,6 +20,7 @@ from trainer.observe.event_names import (
     ATTEMPT_STARTS,
     CHECKPOINT_NOW,
     CHECKPOINT_SAVED,
+    DOWNTIME,
     HANG_DETECTED,
     REPORT_FAILED,
     RESTART,
@@ -216,6 +217,52 @@ def plot_goodput(led: dict, restarts: int, plt, out: Path, *, resumes: int = 0) 
     _save(fig, plt, out)
 
 
+def plot_downtime(events: list[dict], plt, out: Path) -> bool:
+    """One stacked bar per restart: its downtime part by part, failure to first step (trainer.observe.downtime).
+    False (no file) when the run had no restart."""
+    downs = [e for e in events if e["event"] == DOWNTIME]
+    if not downs:
+        return False
+    fig, ax = plt.subplots(figsize=(10, 2.0 + 0.4 * len(downs)))
+    colours = plt.get_cmap("tab10").colors
+    for row, d in enumerate(downs):
+        left = 0.0
+        for i, (part, secs) in enumerate(d["parts_s"].items()):
+            ax.barh([row], [secs], left=left, color=colours[i % 10], label=part if row == 0 else None)
+            left += secs
+        ax.text(left, row, f" {d['total_s']:.1f}s", va="center", fontsize=8)
+    ax.set_yticks(range(len(downs)), [f"step {d.get('step')}: {d.get('reason', '')}"[:32] for d in downs], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds from the failure to the restarted group's first step")
+    ax.set_title("Downtime per restart, part by part")
+    ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8, frameon=False)
+    _save(fig, plt, out)
+    return True
+
+
+def downtime_table(events: list[dict]) -> list[str]:
+    """report.md's downtime section: one row per restart, its parts in seconds."""
+    downs = [e for e in events if e["event"] == DOWNTIME]
+    if not downs:
+        return []
+    parts = list(downs[0]["parts_s"])
+    return [
+        "",
+        f"## Downtime per restart ({len(downs)})",
+        "",
+        "Failure to the restarted group's first step, part by part (seconds; `downtime` events).",
+        "",
+        "| step | failure | total | " + " | ".join(parts) + " |",
+        "|---:|---|---:|" + "---:|" * len(parts),
+        *(
+            f"| {d.get('step')} | {d.get('reason', '')} | {d['total_s']:.2f} | "
+            + " | ".join(f"{d['parts_s'].get(k, 0):.2f}" for k in parts)
+            + " |"
+            for d in downs
+        ),
+    ]
+
+
 def goodput_table(led: dict) -> list[str]:
     """report.md's goodput section, its rows in the bar's order."""
     secs, fr = led["goodput"]["seconds"], led["goodput"]["fractions"]
@@ -242,6 +289,7 @@ def _markdown(v: runview.RunView, led: dict, pngs: list[str]) -> str:
         "```",
         "",
         *goodput_table(led),
+        *downtime_table(v.events),
     ]
     lines += ["", f"## Alerts ({len(alerts)})", ""]
     if alerts:
@@ -279,8 +327,11 @@ def write(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     plot_grad_norm(v, plt, out / "grad_norm.png")
     plot_throughput(v, plt, out / "throughput.png")
     plot_goodput(led, restarts, plt, out / "goodput.png", resumes=resumes)
+    pngs = ["loss.png", "grad_norm.png", "throughput.png", "goodput.png"]
+    if plot_downtime(v.events, plt, out / "downtime.png"):
+        pngs.append("downtime.png")
     md = out / rundir.REPORT_MD
-    md.write_text(_markdown(v, led, ["loss.png", "grad_norm.png", "throughput.png", "goodput.png"]))
+    md.write_text(_markdown(v, led, pngs))
     return md
 
 

@@ -11,7 +11,7 @@ import statistics
 import sys
 
 from trainer.config import ConfigError
-from trainer.observe import goodput, health, rundir
+from trainer.observe import downtime, goodput, health, rundir
 from trainer.observe.alerts import Kind
 from trainer.observe.event_names import ALERT, CHECKPOINT_SAVED, COMPILED, HEALTH, RESTART, REWIND, RUNBOOK_EVENTS
 from trainer.observe.progress import fmt_duration, fmt_loss
@@ -112,6 +112,8 @@ def _ops_lines(v: RunView, live: bool) -> list[str]:
     restarts = [e for e in v.events if e["event"] == RESTART]
     why = "; ".join(f"{e.get('reason', '?')} at step {e.get('step')}" for e in restarts[-3:])
     out.append(f"restarts  {len(restarts)}" + (f"  (last: {why})" if restarts else ""))
+    if line := downtime.status_line(v.events):
+        out.append(line)
     out += _suspect_lines(v)
     actions = [e for e in v.events if e["event"] in RUNBOOK_EVENTS]
     if actions:

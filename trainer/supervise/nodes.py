@@ -97,7 +97,7 @@ def srun_command(argv: list[str], *, nodes: list[str], processes: int, per_node:
         f"--ntasks-per-node={per_node}",
         f"--nodelist={','.join(nodes)}",
         "--kill-on-bad-exit=1",
-        "--overlap",  # see trainer.supervise.launcher.SrunGroup
+        "--overlap",  # see trainer.supervise.srun_group.SrunGroup
         "--label",
         f"--job-name={launch_id}",
         *argv,

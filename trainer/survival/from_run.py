@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.observe import rundir
-from trainer.observe.event_names import CHECKPOINT_SAVED, STEP
+from trainer.observe.event_names import CHECKPOINT_SAVED, DOWNTIME, STEP
 from trainer.observe.events import iter_events
 
 
@@ -50,9 +50,12 @@ def load_run(run_dir: Path) -> tuple[dict[str, float], list[str]]:
     notes: list[str] = []
     blocking: list[float] = []
     mfus: list[float] = []
+    downs: list[float] = []  # each restart's downtime, failure to first step (trainer.observe.downtime)
     causal = False  # the run logged `mfu_full_attn` beside `mfu`: its mfu counts attention's causal half
     for ev in _events(run_dir / rundir.EVENTS, notes):
-        if ev.get("event") == CHECKPOINT_SAVED and _nonneg(ev.get("blocking_s")):
+        if ev.get("event") == DOWNTIME and _nonneg(ev.get("total_s")):
+            downs.append(float(ev["total_s"]))
+        elif ev.get("event") == CHECKPOINT_SAVED and _nonneg(ev.get("blocking_s")):
             blocking.append(float(ev["blocking_s"]))
         elif ev.get("event") == STEP and _nonneg(ev.get("mfu")) and 0 < ev["mfu"] <= 1:
             mfus.append(float(ev["mfu"]))
@@ -68,6 +71,8 @@ def load_run(run_dir: Path) -> tuple[dict[str, float], list[str]]:
             + ("" if causal else " (logged before issue 47: it counts the whole L x L attention, not the causal half)")
         )
     restart_s, note = _restart_from_summary(run_dir / rundir.SUMMARY)
+    if downs:  # measured failure by failure, the time before the supervisor knew included
+        restart_s, note = statistics.median(downs), f"restart: median downtime of {len(downs)} downtime events"
     if restart_s is not None:
         found["restart_s"] = restart_s
     notes.append(note)
