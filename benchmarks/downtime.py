@@ -102,6 +102,7 @@ def single(work: Path, *, standby: bool, kills: int) -> dict:
 def group(work: Path, corpus: Path, *, processes: int, freeze: bool = False) -> dict:
     """One local group of `processes` (8 devices in all); process 1 SIGKILLed (or SIGSTOPped) at step 14."""
     devices = [f"launch.processes={processes}", f"mesh.cpu_devices={8 // processes}"]
+    devices += ["mesh.data=-1", "mesh.tensor=1"] if processes > 4 else []  # a tensor group stays in one process
     run = work / f"group{processes}-{'freeze' if freeze else 'kill'}"
     sets = [*MICRO, *group_overrides(corpus, *devices), "supervisor.backoff_s=1.0"]
     ref = work / f"group{processes}-ref"
@@ -170,6 +171,16 @@ def slurm(work: Path, corpus: Path, *, freeze: bool, runs: int) -> list[dict]:
     return out
 
 
+def _once(work: Path, name: str, fn):
+    """fn()'s result, kept in WORK/NAME.json: a rerun of the benchmark with the same --work skips what it has."""
+    path = work / f"{name}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    out = fn()
+    path.write_text(json.dumps(out))
+    return out
+
+
 def main(argv: list[str]) -> int:
     args = harness.cli(__doc__.splitlines()[0], argv)
     work = args.work
@@ -177,12 +188,16 @@ def main(argv: list[str]) -> int:
     kills = 1 if args.quick else 3
     result: dict = {"command": "python -m benchmarks.downtime" + (" --quick" if args.quick else "")}
     result["single_machine"] = {
-        "standby": single(work, standby=True, kills=kills),
-        "cold": single(work, standby=False, kills=kills),
+        "standby": _once(work, "single-standby", lambda: single(work, standby=True, kills=kills)),
+        "cold": _once(work, "single-cold", lambda: single(work, standby=False, kills=kills)),
     }
     counts = (2,) if args.quick else (2, 4, 8)
-    result["local_groups"] = {f"{n}_kill": group(work, corpus, processes=n) for n in counts}
-    result["local_groups"]["2_freeze"] = group(work, corpus, processes=2, freeze=True)
+    result["local_groups"] = {
+        f"{n}_kill": _once(work, f"group{n}-kill", lambda n=n: group(work, corpus, processes=n)) for n in counts
+    }
+    result["local_groups"]["2_freeze"] = _once(
+        work, "group2-freeze", lambda: group(work, corpus, processes=2, freeze=True)
+    )
     from slurm_cluster import slurm_available
 
     if slurm_available() and os.geteuid() == 0:

@@ -1647,4 +1647,18 @@ MUTATIONS = [
         ("tests/test_downtime.py::test_a_process_knows_when_it_started",),
         catch="assert late - 0.02 < since_start < time.time() - t0 + 0.02, (since_start, time.time() - t0)",
     ),
+    M(
+        "standby_never_used",
+        "the standby processes started ahead are never handed the next attempt: every restart starts cold "
+        "(interpreter and imports, ~1 s)",
+        (
+            (
+                "trainer/supervise/launcher.py",
+                "if standby is not None and standby.ready_for(argv, processes):",
+                "if standby is not None and standby.ready_for(argv, processes) and False:",
+            ),
+        ),
+        ("tests/test_supervisor.py::test_restart_uses_the_compilation_cache",),
+        catch='starts[1].get("standby") in ("ready", "starting")',
+    ),
 ]

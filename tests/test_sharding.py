@@ -170,3 +170,17 @@ def test_kv_heads_shard_over_tensor_where_they_divide_else_replicate(kv, tensor,
     assert kv_spec == PartitionSpec(None, "fsdp", None, "tensor" if sharded else None, None)
     assert q_spec == PartitionSpec(None, "fsdp", "tensor", None)
     assert kv_replicated(cfg, tensor) == (not sharded)
+
+
+def test_a_tensor_group_across_processes_is_refused_with_the_fix():
+    """Each process feeds its own rows of the batch, and a tensor-parallel group holds replicas of the same rows:
+    a group that spans processes got rows of two batches (a crash loop of "compiled with int32[16,65] and called
+    with int32[8,65]" at 8 processes of one device each). Refused before anything runs, naming the key."""
+    from trainer.config import ConfigError, load_config
+    from trainer.train.worker import validate_shapes
+
+    cfg = load_config(TINY, ["launch.processes=8", "mesh.cpu_devices=1"])
+    with pytest.raises(ConfigError, match=r"mesh.tensor \(2\) spans processes \(1 devices per process\).*divisor of 1"):
+        validate_shapes(cfg, (2, 2, 2), 8, 1, None)
+    validate_shapes(cfg, (4, 2, 1), 8, 1, None)  # tensor 1: every process its own rows
+    validate_shapes(cfg, (2, 2, 2), 4, 1, None)  # 2 devices per process: the tensor pair inside each

@@ -208,9 +208,14 @@ def test_a_second_supervisor_on_the_same_run_dir_is_refused(tmp_path):
 
 
 def test_restart_uses_the_compilation_cache(tmp_path, reference_run):
+    """The restart runs in the standby process started ahead (launch.standby: imports done, waiting), loads
+    its step from the compilation cache, and computes the same bits."""
     run = tmp_path / "run"
     cache = tmp_path / "jax-cache"
     run_trainer(run, f"run.compile_cache={cache}", "faults=[{kind: crash, step: 15}]")
     compiles = [e["seconds"] for e in events(run) if e["event"] == "compiled"]
     assert len(compiles) == 2 and compiles[1] < 0.5 * compiles[0], compiles
+    starts = [e for e in events(run) if e["event"] == "worker_start"]
+    assert "standby" not in starts[0] and starts[1].get("standby") in ("ready", "starting"), starts
+    assert not list((run / "heartbeat").glob("standby-*.ready"))  # the next standby was let go at the end
     _assert_same_as_reference(run, reference_run())  # the executable from the cache computes the same bits

@@ -23,6 +23,7 @@ from trainer.observe.event_names import (
     CHECKPOINT_NOW,
     CHECKPOINT_REJECTED,
     CHECKPOINT_SAVED,
+    DOWNTIME,
     HANG_DETECTED,
     INIT,
     NODE_SUSPECT,
@@ -91,7 +92,7 @@ def faults(plan: list[Planned], fired: list[dict], preempts: list[dict], evs: li
         t = r["t"]
         det = next((e for e in evs if e["time"] >= t and _detector(r["kind"], r["hit"])(e)), None)
         r.update(detected_by=det["event"] if det else None, detect_s=det["time"] - t if det else None)
-        r.update(productive_s=None, recomputed=None, healed=False)
+        r.update(productive_s=None, recomputed=None, healed=False, downtime_s=None)
         if det is None:
             continue
         if r["kind"] in RESTARTS | AFTER_RESTART:
@@ -106,6 +107,9 @@ def faults(plan: list[Planned], fired: list[dict], preempts: list[dict], evs: li
                 r.update(healed=True, productive_s=first["time"] - t)
             if start is not None:
                 r["recomputed"] = max(best - start.get("step", 0), 0) if start["event"] == RESTORE else best
+            # the restart's own account, failure to its first step (trainer.observe.downtime)
+            down = next((e for e in evs if e["time"] > since and e["event"] == DOWNTIME), None)
+            r["downtime_s"] = down["total_s"] if down is not None else None
         else:
             heal = next((e for e in evs if e["time"] >= det["time"] and _healer(r["kind"])(e)), None)
             r.update(healed=heal is not None, productive_s=heal["time"] - t if heal else None)

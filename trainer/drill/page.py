@@ -11,7 +11,7 @@ from trainer.observe.event_names import HANG_DETECTED, STEP, WORKER_EXIT
 
 def table(rows: list[dict]) -> str:
     head = f"{'#':>3} {'fault':<16} {'step':>6} {'detected by':<19} {'detect s':>9} {'productive s':>13}"
-    head += f" {'recomputed':>10}"
+    head += f" {'recomputed':>10} {'downtime s':>10}"
     lines = [head, "-" * len(head)]
     for i, r in enumerate(rows, 1):
         det = r["detected_by"] or "NOT DETECTED"
@@ -19,7 +19,8 @@ def table(rows: list[dict]) -> str:
         ps = f"{r['productive_s']:.1f}" if r["productive_s"] is not None else ("-" if r["healed"] else "NOT HEALED")
         rec = str(r["recomputed"]) if r["recomputed"] is not None else "-"
         kind = r["kind"] + (f" ({r['hit'].split('/')[0]})" if r.get("hit") else "")
-        lines.append(f"{i:>3} {kind:<16} {r['step']:>6} {det:<19} {ds:>9} {ps:>13} {rec:>10}")
+        down = f"{r['downtime_s']:.1f}" if r.get("downtime_s") is not None else "-"
+        lines.append(f"{i:>3} {kind:<16} {r['step']:>6} {det:<19} {ds:>9} {ps:>13} {rec:>10} {down:>10}")
     return "\n".join(lines)
 
 

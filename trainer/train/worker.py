@@ -145,6 +145,12 @@ def validate_shapes(
     ):
         if v % tensor:
             raise ConfigError(f"{key} ({v}) must be divisible by mesh.tensor ({tensor})")
+    local = (data_par * mesh_shape[1] * tensor) // processes
+    if local % tensor:  # each process feeds its own rows: a tensor group (replicas of the rows) must be in one
+        raise ConfigError(
+            f"mesh.tensor ({tensor}) spans processes ({local} devices per process): a tensor-parallel group must "
+            f"sit inside one process (one host); lower mesh.tensor to a divisor of {local}"
+        )
     shards = data_par * mesh_shape[1]
     if cfg.data.batch_size % shards or cfg.data.batch_size % processes:
         raise ConfigError(
