@@ -353,6 +353,7 @@ def test_report_plots_and_text_say_only_what_happened(done, tmp_path, monkeypatc
     assert s["restarts"] == 0 and s["goodput"]["seconds"]["restart"] < 0.05, s["goodput"]
     assert s["goodput"]["seconds"]["shutdown"] > 0 and set(s["goodput"]["seconds"]) == set(goodput.CATEGORIES)
     figs = _figures(run, monkeypatch)
+    assert "downtime.png" not in figs  # no restart: no downtime to draw
     (ax,) = figs["goodput.png"].axes
     labels = ax.get_legend_handles_labels()[1]
     assert not any(lb.startswith("restart") for lb in labels) and ax.get_title().endswith("(0 restarts)"), labels

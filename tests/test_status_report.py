@@ -111,6 +111,12 @@ def _report_shows_the_run(run: Path, monkeypatch) -> None:
     bars = [round(p.get_width(), 6) for p in ax.patches]
     assert bars == [round(led[k], 6) for k in report.goodput_parts(ledger) if led[k] >= 0.05], (bars, led)
     assert ax.get_title().endswith("(1 restart)") and led["restart"] > 0 and led["recompute"] > 0
+    # The restart's downtime, part by part: one bar, its segments the event's parts, in `status` and report.md.
+    (down,) = [e for e in events(run) if e["event"] == "downtime"]
+    (ax,) = figs["downtime.png"].axes
+    assert [round(p.get_width(), 6) for p in ax.patches] == [round(v, 6) for v in down["parts_s"].values()]
+    assert f"downtime  last {down['total_s']:.1f}s (signal SIGUSR2" in _cli("status", str(run)).stdout
+    assert f"| {down['step']} | signal SIGUSR2 | {down['total_s']:.2f} |" in (run / "report" / "report.md").read_text()
 
 
 def test_the_goodput_ledger_puts_known_seconds_in_each_category():

@@ -79,7 +79,7 @@ TIMEOUTS = {"startup": 20, "compile": 20, "restore": 6, "step": 4, "checkpoint":
 HUNG_IN = {
     "startup": ("_enter", "run"),
     "restore": ("_enter", "_restore_or_init"),
-    "compile": ("_enter", "_compile"),
+    "compile": ("_enter", "_compiled"),
     "step": ("before_step", "_train"),
     "checkpoint": ("_enter", "_save"),
 }
@@ -212,7 +212,13 @@ def test_restart_uses_the_compilation_cache(tmp_path, reference_run):
     its step from the compilation cache, and computes the same bits."""
     run = tmp_path / "run"
     cache = tmp_path / "jax-cache"
-    run_trainer(run, f"run.compile_cache={cache}", "faults=[{kind: crash, step: 15}]")
+    # Steps slowed from 2 on (timing only): the crash comes seconds after the first step, as any failure would,
+    # not before the supervisor starts the standby (supervisor.STANDBY_AFTER_S into the attempt's training).
+    run_trainer(
+        run,
+        f"run.compile_cache={cache}",
+        "faults=[{kind: slow, step: 2, seconds: 0.3, count: 10}, {kind: crash, step: 15}]",
+    )
     compiles = [e["seconds"] for e in events(run) if e["event"] == "compiled"]
     assert len(compiles) == 2 and compiles[1] < 0.5 * compiles[0], compiles
     starts = [e for e in events(run) if e["event"] == "worker_start"]

@@ -4,7 +4,8 @@ Categories: productive steps, recomputed steps (work redone after a rollback), s
 steps a slow process cost the group, from the supervisor's verdicts, and a drain's restart without it),
 checkpoint blocking, initial startup, shutdown (a worker's clean exit: from its last event to the end of the
 session), and restart downtime (detection, backoff, process start, restore, compile, and work lost in the step that
-was running when a worker died; a resumed session's start counts here too). No jax here: the
+was running when a worker died; a resumed session's start counts here too). Beside it, `downtime_s`: each
+restart's own account of it, from the failure (trainer.observe.downtime). No jax here: the
 supervisor uses it.
 """
 
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 from trainer.observe.event_names import (
+    DOWNTIME,
     HANG_DETECTED,
     RESTART,
     SESSION_STARTS,
@@ -103,6 +105,8 @@ def ledger(events: list[dict], t_start: float, t_end: float) -> dict:
     return {
         "goodput": {"fractions": {k: v / total for k, v in secs.items()}, "seconds": secs},
         "recoveries_s": recoveries,
+        # each restart's own account, failure to first step, detection included (trainer.observe.downtime)
+        "downtime_s": [e["total_s"] for e in events if e["event"] == DOWNTIME],
         "wall_s": wall,
     }
 

@@ -3,10 +3,10 @@ interpreter up and the trainer imported (jax, flax, optax, orbax, grain: ~1 s of
 waits on its stdin. A restart hands each one its attempt's environment in one line and it goes on as a freshly
 launched worker would: jax.distributed, data, restore, compile. Nothing attempt-specific happens before the
 line: no backend is initialised (on a GPU that would take the device's memory from the running worker), no
-run-dir write, no checkpoint read.
+checkpoint read; its one write is a file saying it is ready (heartbeat/standby-<pid>.ready).
 
-What it costs while nothing fails: one idle process per worker holding the imported modules (~200-300 MB of
-host memory each, no GPU memory), and about a CPU-second for its imports, taken once the running group has
+What it costs while nothing fails: one idle process per worker holding the imported modules (207 MB of host
+memory measured, no GPU memory), and about a CPU-second for its imports, taken once the running group has
 trained a little (supervisor.STANDBY_AFTER_S), not beside its start. Never imports jax here: the supervisor
 uses the first half, the worker the second.
 """

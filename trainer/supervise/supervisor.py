@@ -383,9 +383,7 @@ class Supervisor:
             return
         path = self.run_dir / rundir.SUMMARY
         summary = rundir.read_json(path) or {}
-        summary.update(
-            goodput=ledger["goodput"], restarts=restarts, recoveries_s=ledger["recoveries_s"], wall_s=ledger["wall_s"]
-        )
+        summary.update({k: ledger[k] for k in ("goodput", "recoveries_s", "downtime_s", "wall_s")}, restarts=restarts)
         rundir.write_json(path, summary)
         if self.cfg.log.report:
             from trainer.observe import report  # matplotlib: loaded only when a run ends
