@@ -1626,8 +1626,8 @@ MUTATIONS = [
         (
             (
                 "trainer/supervise/supervisor.py",
-                'self.failure = {"since": since, "failed": failed,',
-                'self.failure = {"since": since, "failed": noticed,',
+                "failed = min(att.failed, noticed) if att.failed else downtime.failed_at(ps, att.proc.cause_t, noticed)",
+                "failed = noticed",
             ),
         ),
         ("tests/test_multihost.py::test_kill_and_hang_tear_the_group_down_and_the_run_ends_identical",),
