@@ -1626,7 +1626,8 @@ MUTATIONS = [
         (
             (
                 "trainer/supervise/supervisor.py",
-                "failed = min(att.failed, noticed) if att.failed else downtime.failed_at(ps, att.proc.cause_t, noticed)",
+                "failed = min(att.failed, noticed) if att.failed else "
+                "downtime.failed_at(ps, att.proc.cause_t, noticed)",
                 "failed = noticed",
             ),
         ),
