@@ -1662,4 +1662,17 @@ MUTATIONS = [
         ("tests/test_supervisor.py::test_restart_uses_the_compilation_cache",),
         catch='starts[1].get("standby") in ("ready", "starting")',
     ),
+    M(
+        "sealed_listing_races_retention",
+        "listing a step's manifests fails when retention deletes the step meanwhile: the save dies of it",
+        (
+            (
+                "trainer/ckpt/manifest.py",
+                "    except OSError:  # the step dir went while it was listed",
+                "    except ValueError:  # the step dir went while it was listed",
+            ),
+        ),
+        ("tests/test_integrity.py::test_a_step_deleted_while_its_seals_are_listed_is_unsealed_not_a_crash",),
+        catch='f"a step that went is no sealed step, not {listed!r}"',
+    ),
 ]

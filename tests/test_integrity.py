@@ -646,3 +646,23 @@ def test_kills_at_random_moments_and_inside_async_saves_never_break_a_restore(tm
         f"init {sum(e['event'] == 'init' for e in starts)}, unsealed checkpoints set aside {len(rejected)}, "
         f"broken restores {len(broken)}, final params_sha256 {summary(run)['params_sha256'][:16]} == reference"
     )
+
+
+def test_a_step_deleted_while_its_seals_are_listed_is_unsealed_not_a_crash(tmp_path, monkeypatch):
+    """Retention may delete an old step while a save lists which steps are sealed: the listing of its manifest
+    folder then fails midway (the folder went between the check and the scan). Seen in a fresh-clone CI run: a
+    worker died of that FileNotFoundError in a local save. Such a step is simply not sealed."""
+    step = tmp_path / "local" / "2"
+    (step / manifest.DIR).mkdir(parents=True)
+    assert checkpoint_files.sealed_steps(tmp_path / "local") == []  # no manifest yet: unsealed, as before
+
+    def vanished(self, pattern):  # what os.scandir raises when the folder goes while it is opened
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(self))
+        yield  # a generator, as Path.glob is
+
+    monkeypatch.setattr(Path, "glob", vanished)
+    try:
+        listed = checkpoint_files.sealed_steps(tmp_path / "local")
+    except OSError as e:  # the bug: the save that asked dies of it
+        listed = e
+    assert listed == [], f"a step that went is no sealed step, not {listed!r}"

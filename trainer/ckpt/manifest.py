@@ -92,7 +92,10 @@ def read(step_dir: Path) -> tuple[dict[int, dict], list[Problem]]:
     """All manifests of a step dir, and what is wrong with the set (none, missing, torn)."""
     found: dict[int, dict] = {}
     problems: list[Problem] = []
-    paths = sorted((Path(step_dir) / DIR).glob("process_*.json"))
+    try:
+        paths = sorted((Path(step_dir) / DIR).glob("process_*.json"))
+    except OSError:  # the step dir went while it was listed (retention deleted it): nothing sealed there
+        paths = []
     for p in paths:
         try:
             rec = json.loads(p.read_text())
