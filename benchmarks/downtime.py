@@ -108,10 +108,14 @@ def group(work: Path, corpus: Path, *, processes: int, freeze: bool = False) -> 
     ref = work / f"group{processes}-ref"
     if not ref.exists():
         harness.run(harness.trainer_cmd(harness.TINY, ref, *sets), work / f"{ref.name}.log", timeout=900)
-    with harness.Proc(harness.trainer_cmd(harness.TINY, run, *sets), work / f"{run.name}.log") as proc:
+    # Steps slowed (timing only): the failure comes once the standby is ready (supervisor.STANDBY_AFTER_S)
+    slow = "faults=[{kind: slow, step: 2, seconds: 0.3, count: 60}]"
+    with harness.Proc(harness.trainer_cmd(harness.TINY, run, *sets, slow), work / f"{run.name}.log") as proc:
         hb = harness.wait_for(
-            "step 14",
-            lambda: (h := _hb(run, 1)) and h["phase"] == "step" and h["step"] >= 14 and h,
+            "step 14 and the standby ready",
+            lambda: (
+                (h := _hb(run, 1)) and h["phase"] == "step" and h["step"] >= 14 and _standby_ready(run, processes) and h
+            ),
             timeout=600,
             proc=proc,
             poll_s=0.01,

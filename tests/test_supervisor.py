@@ -217,7 +217,7 @@ def test_restart_uses_the_compilation_cache(tmp_path, reference_run):
     run_trainer(
         run,
         f"run.compile_cache={cache}",
-        "faults=[{kind: slow, step: 2, seconds: 0.3, count: 10}, {kind: crash, step: 15}]",
+        "faults=[{kind: slow, step: 2, seconds: 0.3, count: 22}, {kind: crash, step: 25}]",
     )
     compiles = [e["seconds"] for e in events(run) if e["event"] == "compiled"]
     assert len(compiles) == 2 and compiles[1] < 0.5 * compiles[0], compiles

@@ -56,8 +56,9 @@ class Attempt:
 
 # How often a shrunk group checks whether it can regrow (launch.suspect_retry_minutes).
 REGROW_CHECK_S = 10.0
-# The next attempt's standby processes (launch.standby) start this long after the running one trains.
-STANDBY_AFTER_S = 1.0
+# The next attempt's standby processes (launch.standby) start once the running one has trained this long: not
+# for an attempt that dies in its first seconds (a crash loop), nor for a short run that ends before any need.
+STANDBY_AFTER_S = 5.0
 
 
 class Supervisor:
