@@ -68,7 +68,7 @@ def _recovery(run: Path, t_fail: float) -> dict:
 
 
 def single(work: Path, *, standby: bool, kills: int) -> dict:
-    every = 8
+    every = 24  # an attempt trains past supervisor.STANDBY_AFTER_S (5 s) and its standby's imports before a kill
     steps = every * (kills + 1) + 4
     run = work / ("single-standby" if standby else "single-cold")
     sets = [f"train.steps={steps}", f"checkpoint.every_steps={every}", f"run.compile_cache={CACHE}"]
