@@ -1655,8 +1655,8 @@ MUTATIONS = [
         (
             (
                 "trainer/supervise/launcher.py",
-                "if standby is not None and standby.ready_for(argv, processes):",
-                "if standby is not None and standby.ready_for(argv, processes) and False:",
+                "standby.go(envs) if standby is not None and standby.ready_for(argv, processes) else []",
+                "standby.go(envs) if standby is not None and standby.ready_for(argv, processes) and False else []",
             ),
         ),
         ("tests/test_supervisor.py::test_restart_uses_the_compilation_cache",),

@@ -77,3 +77,20 @@ def test_a_process_knows_when_it_started():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=os.environ)
     since_start = float(out.stdout)
     assert late - 0.02 < since_start < time.time() - t0 + 0.02, (since_start, time.time() - t0)
+
+
+def test_a_standby_that_died_is_replaced_by_a_cold_start(tmp_path):
+    """A standby process that died (killed, out of memory) before or while it is handed its attempt: the attempt
+    starts cold, never on a dead process, and the supervisor does not fail on the broken pipe."""
+    from trainer.supervise import launcher, standby
+
+    argv = [sys.executable, "-c", "import sys; sys.stdin.readline()"]
+    s = standby.Standby(argv, os.environ, processes=1, cpus=[()], run_dir=tmp_path)
+    s.procs[0].kill()
+    s.procs[0].wait()
+    assert s.go([dict(os.environ)]) == []  # the pipe is broken: no attempt on it
+    dead = s.procs[0].pid
+    g = launcher.LocalGroup(argv, os.environ, processes=1, port=1, grace_s=1.0, standby=s)
+    assert g.procs[0].pid != dead and g.standby == "", (g.procs[0].pid, dead, g.standby)
+    g.send_signal(9)
+    g.wait(timeout=30)

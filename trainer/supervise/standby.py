@@ -49,10 +49,14 @@ class Standby:
         return all(ready_file(self.run_dir, p.pid).exists() for p in self.procs)
 
     def go(self, envs: list[Mapping[str, str]]) -> list[subprocess.Popen]:
-        """Hand each process its attempt's whole environment; they are the attempt's processes from now on."""
-        for p, env in zip(self.procs, envs, strict=True):
-            p.stdin.write(json.dumps(dict(env)).encode() + b"\n")
-            p.stdin.close()  # nothing more comes: a worker never reads its stdin again
+        """Hand each process its attempt's whole environment; they are the attempt's processes from now on.
+        [] when one of them is gone (it died since ready_for): the caller starts the attempt cold."""
+        try:
+            for p, env in zip(self.procs, envs, strict=True):
+                p.stdin.write(json.dumps(dict(env)).encode() + b"\n")
+                p.stdin.close()  # nothing more comes: a worker never reads its stdin again
+        except OSError:  # a broken pipe: that process died
+            return []
         return self.procs
 
     def close(self) -> None:
