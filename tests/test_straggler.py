@@ -204,6 +204,10 @@ def test_a_slowed_process_is_named_with_its_node_and_an_ecc_rise_on_it_checkpoin
         "mesh.fsdp=1",
         "mesh.tensor=1",
         "launch.cpus_per_process=1",
+        # no standby: its imports (~1 CPU-s, 5 s into the run, on the CPU its worker is pinned to) would be a
+        # slowdown of their own inside the windows this test measures (a fresh-clone CI run at a668a98 read
+        # 5.49x against the run's 3.76x)
+        "launch.standby=false",
         "train.steps=70",
         "checkpoint.every_steps=70",  # none inside the slowdown: only the ECC's checkpoint-now, before it
         "log.health_every_s=0.3",
