@@ -33,20 +33,13 @@ ROOT = harness.ROOT
 sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("TRAINER_TESTS_COMPILE_CACHE", tempfile.mkdtemp(prefix="downtime-jax-cache-"))
 from conftest import MICRO  # noqa: E402
-from multihost import group_overrides, small_corpus  # noqa: E402
+from multihost import group_overrides, heartbeat, small_corpus  # noqa: E402
 
 CACHE = os.environ["TRAINER_TESTS_COMPILE_CACHE"]
 
 
 def _of(run: Path, kind: str) -> list[dict]:
     return [e for e in harness.events(run) if e["event"] == kind]
-
-
-def _hb(run: Path, process: int) -> dict | None:
-    try:
-        return json.loads((run / "heartbeat" / f"worker-{process}.json").read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _standby_ready(run: Path, processes: int) -> bool:
@@ -84,7 +77,7 @@ def single(work: Path, *, standby: bool, kills: int) -> dict:
             recovery.wait_sealed(run, every * k, timeout=300, proc=proc)
 
             def ready(past=past):
-                hb = _hb(run, 0)
+                hb = heartbeat(run, 0)
                 at = hb and hb["phase"] == "step" and hb["step"] >= past
                 return at and (not standby or _standby_ready(run, 1)) and hb
 
@@ -114,7 +107,11 @@ def group(work: Path, corpus: Path, *, processes: int, freeze: bool = False) -> 
         hb = harness.wait_for(
             "step 14 and the standby ready",
             lambda: (
-                (h := _hb(run, 1)) and h["phase"] == "step" and h["step"] >= 14 and _standby_ready(run, processes) and h
+                (h := heartbeat(run, 1))
+                and h["phase"] == "step"
+                and h["step"] >= 14
+                and _standby_ready(run, processes)
+                and h
             ),
             timeout=600,
             proc=proc,

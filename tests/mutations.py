@@ -1487,8 +1487,8 @@ MUTATIONS = [
         (
             (
                 "trainer/supervise/supervisor.py",
-                "hang.hung_on(self.run_dir, att.proc, s.beats, snap.beats)",
-                "hang.hung_on(self.run_dir, att.proc, s.beats, self._snapshot(att).beats)",
+                "hang.hung_on(s.beats, snap.beats, snap.pulses)",
+                "hang.hung_on(s.beats, self._snapshot(att).beats, snap.pulses)",
             ),
         ),
         ("tests/test_exit_policy.py::test_a_hang_reads_each_heartbeat_once_in_its_poll_and_once_after_the_exit",),
@@ -1612,7 +1612,7 @@ MUTATIONS = [
         (
             (
                 "trainer/supervise/supervisor.py",
-                "if self._check_hang(att, snap) or self._check_frozen(att):",
+                "if self._check_hang(att, snap) or self._check_frozen(att, snap):",
                 "if self._check_hang(att, snap):",
             ),
         ),
@@ -1655,8 +1655,8 @@ MUTATIONS = [
         (
             (
                 "trainer/supervise/launcher.py",
-                "standby.go(envs) if standby is not None and standby.ready_for(argv, processes) else []",
-                "standby.go(envs) if standby is not None and standby.ready_for(argv, processes) and False else []",
+                "standby.go(envs) if standby is not None and standby.ready_for(processes) else []",
+                "standby.go(envs) if standby is not None and standby.ready_for(processes) and False else []",
             ),
         ),
         ("tests/test_supervisor.py::test_restart_uses_the_compilation_cache",),

@@ -21,7 +21,7 @@ import time
 
 from trainer.observe import env_vars
 from trainer.observe.event_names import DOWNTIME
-from trainer.observe.heartbeat import PULSE_S
+from trainer.observe.heartbeat import after_last_pulse
 
 # The boundaries, in order, and the part that ends at each.
 MARKS = ("failed", "noticed", "down", "launched", "started", "restoring", "restored", "ready", "stepped")
@@ -37,14 +37,14 @@ PARTS = {
 }
 
 
-def failed_at(pulses: list[dict | None], cause_t: float, noticed: float) -> float:
+def failed_at(pulses, cause_t: float, noticed: float) -> float:
     """When a group failed that ended by itself: when the first process that failed by itself was seen leaving
     (`cause_t`, within a poll); where none was (a lost node's process is never reported, only its survivors'
     reactions), within a pulse of the oldest pulse that stopped, not leaving on purpose; else when noticed."""
     if cause_t:
         return min(cause_t, noticed)
-    stopped = [p["time"] for p in pulses if p and not p.get("ending")]
-    return min(min(stopped) + PULSE_S / 2, noticed) if stopped else noticed
+    stopped = [p for p in pulses if p and not p.get("ending")]
+    return min(after_last_pulse(min(stopped, key=lambda p: p["time"])), noticed) if stopped else noticed
 
 
 def for_next_attempt(failure: dict, launched: float) -> str:

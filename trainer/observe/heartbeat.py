@@ -136,10 +136,12 @@ def read(path: Path) -> dict | None:
 @dataclass(frozen=True)
 class Snapshot:
     """Every process's heartbeat as read at one moment: the supervisor reads them once per poll and hands the
-    snapshot to everyone who judges them (the hang check, the straggler watch, the step its events carry)."""
+    snapshot to everyone who judges them (the hang and frozen checks, the straggler watch, the step its events
+    carry, the failure's moment)."""
 
     files: tuple[dict | None, ...]  # as read (None: missing, torn or damaged), whichever attempt wrote them
     launch: str  # the attempt asked about
+    pulses: tuple[dict | None, ...] = ()  # each process's pulse in this attempt (read_pulse; None: none yet)
 
     @property
     def beats(self) -> list[dict | None]:
@@ -159,4 +161,13 @@ class Snapshot:
 
 
 def snapshot(run_dir: Path, processes: int, launch: str) -> Snapshot:
-    return Snapshot(tuple(read(heartbeat_path(run_dir, i)) for i in range(processes)), launch)
+    return Snapshot(
+        tuple(read(heartbeat_path(run_dir, i)) for i in range(processes)),
+        launch,
+        tuple(read_pulse(run_dir, i, launch) for i in range(processes)),
+    )
+
+
+def after_last_pulse(pulse: dict) -> float:
+    """When a process that stopped pulsing stopped: within PULSE_S after its last pulse; the midpoint (+-0.5 s)."""
+    return pulse["time"] + PULSE_S / 2

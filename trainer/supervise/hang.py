@@ -95,15 +95,15 @@ def pulses(ps: list[dict | None], now: float) -> Pulses:
     culprit = min(stale, key=lambda i: ps[i]["time"]) if stale and fresh else None
     if culprit is None:
         return Pulses(None, 0.0, max(live, default=0.0))
-    return Pulses(culprit, ages[culprit], max(live, default=0.0), ps[culprit]["time"] + heartbeat.PULSE_S / 2)
+    return Pulses(culprit, ages[culprit], max(live, default=0.0), heartbeat.after_last_pulse(ps[culprit]))
 
 
-def frozen(run_dir: Path, proc: group.Group, write: Callable, *, step: int | None) -> Pulses:
+def frozen(ps: tuple[dict | None, ...], proc: group.Group, write: Callable, *, step: int | None) -> Pulses:
     """Judge the group's pulses now; a frozen process (its node lost or gone silent, the process stopped) gets
     its hang_detected event (phase "frozen"), its node the blame, and one line on stderr. No stack dump: a
-    frozen process cannot answer, and its peers only wait for it. The caller kills the group."""
-    ps = [heartbeat.read_pulse(run_dir, i, proc.launch_id) for i in range(proc.processes)]
-    v = pulses(ps, time.time())
+    frozen process cannot answer, and its peers only wait for it. The caller kills the group. `ps`: the poll's
+    pulses (heartbeat.Snapshot.pulses)."""
+    v = pulses(list(ps), time.time())
     if v.frozen is None:
         return v
     node = ps[v.frozen].get("node", "")
@@ -125,13 +125,12 @@ def frozen(run_dir: Path, proc: group.Group, write: Callable, *, step: int | Non
     return v
 
 
-def hung_on(run_dir: Path, proc: group.Group, beats: list, hbs: list[dict | None]) -> tuple[int, str, str]:
+def hung_on(beats: list, hbs: list[dict | None], pulses: tuple[dict | None, ...]) -> tuple[int, str, str]:
     """(process, node, why) the hang points at. A frozen process (SIGSTOP, a node gone silent) stops
     pulsing while its peers, blocked in a collective waiting for it, still pulse; when all pulse (a stuck
     kernel), the process furthest behind: lowest step, then oldest beat. `beats`: (phase, time, step,
-    process) per process; `hbs`: their heartbeats."""
+    process) per process; `hbs`: their heartbeats; `pulses`: their pulses (heartbeat.Snapshot.pulses)."""
     now = time.time()
-    pulses = [heartbeat.read_pulse(run_dir, i, proc.launch_id) for i in range(proc.processes)]
     frozen = [i for i, p in enumerate(pulses) if p is None or now - p["time"] > heartbeat.PULSE_STALE_S]
     if frozen and len(frozen) < len(pulses):
         i = frozen[0]

@@ -57,8 +57,8 @@ class LocalGroup(Group):
             base.update({env_vars.NUM_PROCESSES: str(processes), env_vars.COORDINATOR: f"127.0.0.1:{port}"})
         envs = [dict(base, **({env_vars.PROCESS_ID: str(i)} if processes > 1 else {})) for i in range(processes)]
         self.standby = "" if standby is None else "ready" if standby.ready() else "starting"
-        self.procs = standby.go(envs) if standby is not None and standby.ready_for(argv, processes) else []
-        if not self.procs:  # none, another command, or one of them gone (even while it was handed its attempt)
+        self.procs = standby.go(envs) if standby is not None and standby.ready_for(processes) else []
+        if not self.procs:  # none, another count, or one of them gone (even while it was handed its attempt)
             if standby is not None:
                 standby.close()
                 self.standby = ""

@@ -35,14 +35,14 @@ class Standby:
     def __init__(
         self, argv: list[str], env: Mapping[str, str], *, processes: int, cpus: list[tuple[int, ...]], run_dir: Path
     ):
-        self.argv, self.run_dir = list(argv), Path(run_dir)
+        self.run_dir = Path(run_dir)
         env = dict(env, **{env_vars.STANDBY: "1"})
         self.procs = [spawn(argv, env, cpus=cpus[i], stdin=subprocess.PIPE) for i in range(processes)]
 
-    def ready_for(self, argv: list[str], processes: int) -> bool:
-        """Whether these processes can be the next attempt: same command, as many, all still there (waiting, or
-        still importing: handed over now, they go on as soon as their imports are done)."""
-        return argv == self.argv and processes == len(self.procs) and all(p.poll() is None for p in self.procs)
+    def ready_for(self, processes: int) -> bool:
+        """Whether these processes can be the next attempt: as many, all still there (waiting, or still
+        importing: handed over now, they go on as soon as their imports are done)."""
+        return processes == len(self.procs) and all(p.poll() is None for p in self.procs)
 
     def ready(self) -> bool:
         """Every process has its imports done and waits."""

@@ -134,7 +134,7 @@ class Supervisor:
         self.overdue.check(att.proc.pid, s)
         if s.silent_s <= s.timeout_s:
             return False
-        culprit, node, why = hang.hung_on(self.run_dir, att.proc, s.beats, snap.beats)
+        culprit, node, why = hang.hung_on(s.beats, snap.beats, snap.pulses)
         self.events.open()
         self.events.write(
             HANG_DETECTED,
@@ -155,12 +155,12 @@ class Supervisor:
         att.proc.send_signal(signal.SIGKILL)
         return True
 
-    def _check_frozen(self, att: Attempt) -> bool:
+    def _check_frozen(self, att: Attempt, snap: heartbeat.Snapshot) -> bool:
         """A process whose pulse stopped while its peers' go on: the group is killed now, not a step timeout
         later (trainer.supervise.hang.frozen)."""
         if att.proc.processes < 2:
             return False
-        v = hang.frozen(self.run_dir, att.proc, self.events.write, step=_last_step(self.run_dir))
+        v = hang.frozen(snap.pulses, att.proc, self.events.write, step=snap.step)
         att.pulse_gap_s = max(att.pulse_gap_s, v.live_max_s)
         if v.frozen is None:
             return False
@@ -192,7 +192,7 @@ class Supervisor:
                 att.trains_since = att.trains_since or time.time()
                 if time.time() - att.trains_since > STANDBY_AFTER_S:  # not beside its own first steps
                     self.launcher.warm(self.worker_argv, self._env())
-            if self._check_hang(att, snap) or self._check_frozen(att):
+            if self._check_hang(att, snap) or self._check_frozen(att, snap):
                 return att.proc.wait()
             self._watch_stragglers(att, snap)
             self._maybe_regrow(att)
@@ -287,7 +287,7 @@ class Supervisor:
         """What the next attempt's downtime event starts from: when this group failed, when the supervisor knew,
         when the group was gone (the remedy that ran since, a runbook's say, is the relaunch's)."""
         noticed = att.noticed or att.proc.noticed_t or att.down
-        ps = [heartbeat.read_pulse(self.run_dir, i, att.proc.launch_id) for i in range(att.proc.processes)]
+        ps = att.last.pulses  # as they stood once the group was gone
         failed = min(att.failed, noticed) if att.failed else downtime.failed_at(ps, att.proc.cause_t, noticed)
         since = self.failure["since"] if self.failure else failed  # an attempt that never stepped prolongs it
         self.failure = {"since": since, "failed": failed, "noticed": noticed, "down": att.down, "reason": reason}
