@@ -1044,6 +1044,14 @@ MUTATIONS = [
         catch='assert w.observe(g.run(20, own), "a") == []',
     ),
     M(
+        "straggler_verdict_on_one_window_end_to_end",
+        "one slow window makes a verdict (straggler.windows ignored), seen end to end: a one-off pause of one "
+        "process for a window's steps names it",
+        (("trainer/supervise/straggler.py", "            if n >= self.cfg.windows:", "            if n >= 1:"),),
+        ("tests/test_straggler.py::test_a_run_that_pauses_once_saves_evaluates_and_restarts_names_no_one",),
+        catch='e["event"] in ("straggler", "alert")',
+    ),
+    M(
         "straggler_calm_takes_the_onset_window",
         "the window a slowdown starts in (half slow, no candidate yet) is taken for calm: the verdict understates it",
         (
@@ -1055,6 +1063,28 @@ MUTATIONS = [
         ),
         ("tests/test_straggler.py::test_the_window_a_slowdown_starts_in_is_not_taken_for_calm",),
         catch="abs(v.slowdown - 0.152 / 0.102) < 1e-9",
+    ),
+    M(
+        "straggler_host_bound_line_below_a_fast_step",
+        "the host-bound line drawn at 0.5% of the step: on fast steps the process the group waits for still "
+        "waits 1-2% of it (reading the results it queued), so it is never named",
+        (("trainer/supervise/straggler.py", "CRITICAL = 0.1  #", "CRITICAL = 0.005  #"),),
+        ("tests/test_straggler.py::test_a_slowed_process_is_named_then_cleared_and_an_ecc_rise_on_it_checkpoints",),
+        catch="assert len(verdicts) == 1, verdicts",
+    ),
+    M(
+        "straggler_slowdown_against_its_own_excess",
+        "the verdict's slowdown measured against the step without the straggler's excess, not the group's calm "
+        "windows: a process sleeping 3x the step reads as a 30x slowdown",
+        (
+            (
+                "trainer/supervise/straggler.py",
+                "calm = statistics.median(self.calm) if self.calm else max(step - excess, 1e-3 * step)",
+                "calm = max(step - excess, 1e-3 * step)",
+            ),
+        ),
+        ("tests/test_straggler.py::test_a_slowed_process_is_named_then_cleared_and_an_ecc_rise_on_it_checkpoints",),
+        catch="0.75 <= ratio <= 1.25",
     ),
     M(
         "drill_heals_at_any_step",
@@ -1126,7 +1156,7 @@ MUTATIONS = [
         "health_from_process_0_only",
         "only process 0 watches its host's health: an ECC rise on another host is never seen",
         (("trainer/observe/alerts.py", "        return [hardware]", "        return []"),),
-        ("tests/test_straggler.py::test_a_slowed_process_is_named_with_its_node_and_an_ecc_rise_on_it_checkpoints",),
+        ("tests/test_straggler.py::test_a_slowed_process_is_named_then_cleared_and_an_ecc_rise_on_it_checkpoints",),
         catch="assert health == {0, 1}",
     ),
     M(
@@ -1139,7 +1169,7 @@ MUTATIONS = [
                 "            enabled=False,",
             ),
         ),
-        ("tests/test_straggler.py::test_a_slowed_process_is_named_with_its_node_and_an_ecc_rise_on_it_checkpoints",),
+        ("tests/test_straggler.py::test_a_slowed_process_is_named_then_cleared_and_an_ecc_rise_on_it_checkpoints",),
         catch="hosts.is_dir() and sorted(p.name for p in hosts.iterdir())",
     ),
     M(

@@ -1,18 +1,23 @@
 """Stragglers: which process slows the lockstep group, from the timing each worker's heartbeat carries.
 
 The detector's rules on heartbeats whose numbers are known (a slow process, noise, a pause, one that
-recovers); then real 2-process runs with one process slowed from a step on, and a clean one that saves,
-evaluates and restarts without any verdict."""
+recovers, and the windows real fast-step runs measured); then real 2-process runs, each process pinned to its
+own core with one device: one slowed from a step on (named, then cleared), and one with no straggler that
+pauses once, saves, evaluates and restarts without any verdict."""
 
 from __future__ import annotations
 
+import json
+import random
 import statistics
 
 import pytest
 from conftest import events, run_trainer, summary, tensorboard
-from multihost import TWO, group_overrides, small_corpus
+from multihost import TWO, WORDS, group_overrides, small_corpus
 
 from trainer.config import StragglerConfig
+from trainer.observe.heartbeat import heartbeat_path
+from trainer.observe.rundir import read_json
 from trainer.supervise.straggler import StragglerWatch
 
 
@@ -111,6 +116,40 @@ def test_a_process_whose_steps_run_in_the_call_is_judged_by_its_own_time():
             assert out == []
 
 
+def measured(windows: list[list[tuple[float, float]]], window: int = 10) -> list[list[dict]]:
+    """Heartbeats carrying each process's marks, cumulative, from per-window means (step s, wait s) as a real
+    run's heartbeats gave them."""
+    out, t = [], [dict(n=0, step_s=0.0, wait_s=0.0, data_s=0.0, dispatch_s=0.0, sync=0) for _ in windows[0]]
+    for win in windows:
+        for c, (step, wait) in zip(t, win):
+            c.update(n=c["n"] + window, step_s=c["step_s"] + window * step, wait_s=c["wait_s"] + window * wait)
+        out.append(beats([[dict(c)] for c in t]))
+    return out
+
+
+def test_one_device_per_process_fast_steps_as_measured():
+    """One fake device per process, each pinned to its own core, ~120 ms steps: the windows (step, wait; s) two
+    real runs' heartbeats carried (jax 0.10, XLA:CPU). One device queues its step as several do (the probe
+    never saw a step run inside the call), so the process the group waits for waits 2% of the step while its
+    peer waits 96-98%: the 10% host-bound line sits between them with room on both sides. Process 1 slowed
+    1.3x (the least a verdict is meant for) and 2x: named at its second slow window with the slowdown its run
+    showed (1.36x, 2.00x); no one named while both keep pace."""
+    runs = (
+        ([(0.1313, 0.1219), (0.1313, 0.1216)], [(0.1785, 0.1705), (0.1768, 0.0041)], 1.36),
+        ([(0.1203, 0.1117), (0.1207, 0.1122)], [(0.2409, 0.2352), (0.2434, 0.0039)], 2.0),
+    )
+    cfg = StragglerConfig(window_steps=10, windows=2, factor=1.2)
+    for calm, slow, run_slowdown in runs:
+        w = StragglerWatch(cfg, 2)
+        hbs = measured([calm, calm, calm, slow, slow])
+        assert [w.observe(hb, "a") for hb in hbs[:4]] == [[]] * 4  # calm, then one slow window: not yet
+        [(what, v)] = w.observe(hbs[4], "a")
+        assert (what, v.process, v.section) == ("straggler", 1, "host"), v
+        assert abs(v.slowdown / run_slowdown - 1) < 0.03, (v.slowdown, run_slowdown)
+        w = StragglerWatch(cfg, 2)
+        assert all(w.observe(hb, "a") == [] for hb in measured([calm] * 6))
+
+
 def test_a_group_slower_for_another_reason_names_no_one():
     """The devices slow down (a shared machine, a throttled interconnect): every step is 2x, and the host
     that is always busy has 5 ms more own work than its peer: that is not what the group lost."""
@@ -176,69 +215,71 @@ def test_missing_or_torn_timings_are_not_judged():
 
 # --- the real thing: 2 processes, each pinned to its own core as on its own host -----------------------------
 
-SLOW_FROM = 25  # process 1 sleeps 3x the step time measured before, for 30 steps
+SLOW_FROM, SLOW_FOR = 25, 30  # process 1 sleeps 3x the step time measured before, for 30 steps
+SLOW_END = SLOW_FROM + SLOW_FOR
 WINDOW, WINDOWS, GRACE = 10, 2, 3
-# Steps from a slowdown to its verdict, at most: the partial window it starts in, then WINDOWS whole ones (no
-# save or eval falls among them), then one supervisor poll (0.5 s: up to 7 slowed steps of >= 70 ms) and the
-# step whose start writes the heartbeat. Seen: 19-24 steps in 25 idle runs, once 36.
+# Steps from a slowdown (or its end) to its verdict (or the verdict's clearing), at most: the partial window it
+# starts in, then WINDOWS whole ones (no save or eval falls among them), then one supervisor poll (0.5 s: up to 7
+# slowed steps of >= 70 ms) and the step whose start writes the heartbeat. Seen: 19-24 steps in 25 idle runs,
+# once 36.
 K = (WINDOWS + 1) * WINDOW + 8
+# Each process pinned to its own core, one fake device each (as on its own host): the fast-step case, ~120 ms
+# steps, where the rule was once unreliable (benchmarks/straggler.py measures it at 1.3-3x, 1 and 4 devices).
+PINNED = ("mesh.cpu_devices=1", "mesh.fsdp=1", "mesh.tensor=1", "launch.cpus_per_process=1")
+WATCH = (f"straggler.window_steps={WINDOW}", f"straggler.windows={WINDOWS}", f"straggler.grace_steps={GRACE}")
 
 
 @pytest.mark.slow
-def test_a_slowed_process_is_named_with_its_node_and_an_ecc_rise_on_it_checkpoints(tmp_path):
-    """One run: from step 25 process 1's host work takes three times the step (the suite's machine is too
-    noisy under its parallel tests for the ~30% case: benchmarks/straggler.py measures it alone; at twice, a
-    burst of the other tests' load on both processes, 6 steps at ~1 s, hid a window's cause once); from step 58,
-    after it, its host's ECC count rises (the checkpoint it makes would slow the steps the slowdown is
-    measured against: an async save shares the process's one core)."""
+def test_a_slowed_process_is_named_then_cleared_and_an_ecc_rise_on_it_checkpoints(tmp_path):
+    """One run: from step 25 process 1's host work takes three times the step for 30 steps (the suite's machine
+    is too noisy under its parallel tests for the ~30% case: benchmarks/straggler.py measures it alone); it is
+    named within K steps with the slowdown the run shows, and cleared within K steps of its end. Then its
+    host's ECC count rises (the checkpoint it makes would slow the steps the slowdown is measured against: an
+    async save shares the process's one core, so it comes after the clear)."""
     corpus = small_corpus(tmp_path / "corpus")
     run = tmp_path / "run"
+    ecc_at = SLOW_END + K + 1
     faults = (
-        f"faults=[{{kind: slow, step: {SLOW_FROM}, count: 30, step_multiple: 3.0, process: 1}}, "
-        "{kind: ecc, step: 58, count: 2, process: 1}]"
+        f"faults=[{{kind: slow, step: {SLOW_FROM}, count: {SLOW_FOR}, step_multiple: 3.0, process: 1}}, "
+        f"{{kind: ecc, step: {ecc_at}, count: 2, process: 1}}]"
     )
     run_trainer(
         run,
         *group_overrides(corpus, *TWO),
-        "mesh.cpu_devices=1",
-        "mesh.fsdp=1",
-        "mesh.tensor=1",
-        "launch.cpus_per_process=1",
+        *PINNED,
+        *WATCH,
         # no standby: its imports (~1 CPU-s, 5 s into the run, on the CPU its worker is pinned to) would be a
         # slowdown of their own inside the windows this test measures (a fresh-clone CI run at a668a98 read
         # 5.49x against the run's 3.76x)
         "launch.standby=false",
-        "train.steps=70",
-        "checkpoint.every_steps=70",  # none inside the slowdown: only the ECC's checkpoint-now, before it
+        f"train.steps={ecc_at + 6}",
+        f"checkpoint.every_steps={ecc_at + 6}",  # none inside the windows measured: only the ECC's, after them
         "log.health_every_s=0.3",
-        f"straggler.window_steps={WINDOW}",
-        f"straggler.windows={WINDOWS}",
-        f"straggler.grace_steps={GRACE}",
         faults,
         env={"TRAINER_NODE_NAME": "host{process}"},
     )
     evs = events(run)
-    [verdict] = [e for e in evs if e["event"] == "straggler"]
+    verdicts = [e for e in evs if e["event"] == "straggler"]
+    assert len(verdicts) == 1, verdicts
+    verdict = verdicts[0]
     steps = {e["step"]: e["step_s"] for e in evs if e["event"] == "step"}
     assert (verdict["process"], verdict["node"], verdict["section"]) == (1, "host1", "host"), verdict
     assert SLOW_FROM < verdict["step"] <= SLOW_FROM + K, (verdict["step"], K)
-    # the verdict's slowdown is the one the run shows: the slowed steps' median over the calm ones before
-    # (means, as the verdict's windows are: under the suite's load medians and means of these steps differ)
+    # the verdict's slowdown is the one the run shows: the slowed steps' mean over the calm ones before (means,
+    # as the verdict's windows are: under the suite's load medians and means of these steps differ)
     before = statistics.mean(steps[s] for s in range(GRACE + 3, SLOW_FROM))
-    during = statistics.mean(steps[s] for s in range(SLOW_FROM + 5, SLOW_FROM + 28))
-    # Idle, within 8% (synthetic load on both cores: 5.21x against 5.40x). Under the suite's load the verdict
-    # can come windows late, measured against a calm re-based on slowed windows: a fresh-clone CI run at
-    # 795c933 read 1.47x against 3.46x (calm 387 ms, where the steps before took 181 ms). So: never more than
-    # the run shows (+35%), never below the factor a verdict needs; benchmarks/straggler.py measures it alone.
-    assert StragglerConfig().factor <= verdict["slowdown"] < 1.35 * during / before, (verdict, during / before)
+    during = statistics.mean(steps[s] for s in range(SLOW_FROM + 5, SLOW_END - 2))
+    ratio = verdict["slowdown"] / (during / before)
+    print(f"verdict at step {verdict['step']}, {verdict['slowdown']:.2f}x against the run's {during / before:.2f}x")
+    assert StragglerConfig().factor <= verdict["slowdown"] and 0.75 <= ratio <= 1.25, (verdict, during / before)
+    # cleared once the slowdown is over: after a whole calm window, within K steps of its end
     [cleared] = [e for e in evs if e["event"] == "straggler_cleared"]
-    assert cleared["process"] == 1 and verdict["step"] < cleared["step"] <= SLOW_FROM + 30 + K, cleared
+    assert cleared["process"] == 1 and SLOW_END + WINDOW < cleared["step"] <= SLOW_END + K, (cleared, SLOW_END)
     [alert] = [e for e in evs if e["event"] == "alert" and e["kind"] == "straggler"]
     assert "process 1 on node host1" in alert["detail"], alert
     # the ledger moves what the straggler cost out of productive time
     lost = verdict["lost_s"] + cleared["lost_s"]
     assert lost > 0 and summary(run)["goodput"]["seconds"]["straggler"] == pytest.approx(lost, rel=1e-9)
-    print(f"verdict {K} steps at most: at step {verdict['step']}, {verdict['slowdown']:.2f}x ({during / before:.2f}x)")
 
     # Health from every host: process 1's ECC rise is its alert, names its node, and checkpoints the group.
     health = {e["process"] for e in evs if e["event"] == "health"}
@@ -253,12 +294,48 @@ def test_a_slowed_process_is_named_with_its_node_and_an_ecc_rise_on_it_checkpoin
     assert hosts.is_dir() and sorted(p.name for p in hosts.iterdir()) == ["p1-host1"], list((run / "tb").iterdir())
     host1, run0 = tensorboard(run / "tb" / "hosts" / "p1-host1"), tensorboard(run / "tb")
     injected = [(e.step, e.value) for e in host1.Scalars("health/host/ecc_injected")]
-    assert injected[0][1] > 0 and injected == sorted(injected, key=lambda x: x[1]), injected  # rising from step 58
+    assert injected[0][1] > 0 and injected == sorted(injected, key=lambda x: x[1]), injected  # rising from ecc_at
     assert [e.value for e in host1.Scalars("alerts/ecc_rising")] == [1.0]
-    assert host1.Scalars("health/host/cpu_percent")[0].step < 58 and "loss/train" not in host1.Tags()["scalars"]
+    assert host1.Scalars("health/host/cpu_percent")[0].step < ecc_at and "loss/train" not in host1.Tags()["scalars"]
     assert (
         "health/host/cpu_percent" in run0.Tags()["scalars"] and "health/host/ecc_injected" not in run0.Tags()["scalars"]
     )
+
+
+@pytest.mark.slow
+def test_a_run_that_pauses_once_saves_evaluates_and_restarts_names_no_one(tmp_path):
+    """The same fast, pinned 2-process setting with no straggler, but everything that makes a step slower for a
+    while: process 1 pauses 0.3 s a step for its first window's 10 steps (a one-off pause: one slow window,
+    which alone names no one), periodic saves, evals, a crash of process 1 and its restart (a standby, a warm
+    compile). Windows were judged on both processes in both attempts, and none named anyone."""
+    corpus = tmp_path / "corpus" / "docs.jsonl"  # documents, so that some are held out for the eval
+    corpus.parent.mkdir()
+    rng = random.Random(0)
+    corpus.write_text("".join(json.dumps({"text": " ".join(rng.choices(WORDS, k=300))}) + "\n" for _ in range(10)))
+    run = tmp_path / "run"
+    first = GRACE + 1  # the first clean step: windows are cut every WINDOW clean steps from here
+    run_trainer(
+        run,
+        *group_overrides(corpus, *TWO),
+        *PINNED,
+        *WATCH,
+        "data.val_fraction=0.2",
+        "train.steps=64",
+        "checkpoint.every_steps=16",
+        "eval.every_steps=16",
+        "eval.batches=1",
+        f"faults=[{{kind: slow, step: {first}, count: {WINDOW}, seconds: 0.3, process: 1}}, "
+        "{kind: crash, step: 31, process: 1}]",
+    )
+    evs = events(run)
+    assert [e for e in evs if e["event"] in ("straggler", "alert") and e.get("kind", "straggler") == "straggler"] == []
+    kinds = [e["event"] for e in evs]
+    assert kinds.count("restart") == 1 and kinds.count("checkpoint_saved") >= 4 and kinds.count("eval") >= 3, kinds
+    # the watch had windows to judge: each process marked at least WINDOWS of them in the attempt after the
+    # restart (every mark is one window of clean steps, the same steps on both)
+    for i in range(2):
+        marks = [m["n"] for m in read_json(heartbeat_path(run, i))["timing"]]
+        assert marks and marks[-1] >= WINDOWS * WINDOW, (i, marks)
 
 
 def test_the_hog_fault_burns_cpu_in_a_thread_for_its_steps_and_fires_once(tmp_path):
