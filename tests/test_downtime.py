@@ -40,6 +40,22 @@ def test_a_frozen_process_is_named_only_while_a_peer_is_alive():
     assert v.frozen is None and round(v.live_max_s, 3) == PULSE_STALE_S - 0.1
 
 
+def test_a_hang_is_blamed_on_the_process_whose_pulse_stopped_else_the_one_furthest_behind():
+    """At the step timeout (the frozen check did not fire: no peer's pulse was fresh enough): a process whose
+    pulse stopped is blamed, even when its waiting peer's heartbeat is further behind; with every process
+    pulsing (a stuck kernel), the one furthest behind."""
+    now = time.time()
+    beats = [("step", now - 30, 40, 0), ("step", now - 20, 41, 1)]  # process 0's heartbeat is behind
+    hbs = [{"node": "n0"}, {"node": "n1"}]
+    slow_peer = {"time": now - (PULSE_FRESH_S + PULSE_STALE_S) / 2}  # alive, not fresh: no frozen verdict
+    stopped = {"time": now - PULSE_STALE_S - 5}
+    assert hang.pulses([slow_peer, stopped], now).frozen is None
+    i, node, why = hang.hung_on(beats, hbs, (slow_peer, stopped))
+    assert (i, node) == (1, "n1") and "froze" in why, why
+    i, node, why = hang.hung_on(beats, hbs, ({"time": now}, {"time": now}))
+    assert (i, node) == (0, "n0") and "furthest behind" in why, why
+
+
 def test_the_parts_of_a_downtime_add_up_to_the_failure_to_first_step_and_are_never_negative():
     marks = {m: 10.0 + i for i, m in enumerate(downtime.MARKS)}
     marks["stepped"] = 20.5
