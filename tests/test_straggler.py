@@ -7,13 +7,12 @@ pauses once, saves, evaluates and restarts without any verdict."""
 
 from __future__ import annotations
 
-import json
-import random
 import statistics
 
 import pytest
 from conftest import events, run_trainer, summary, tensorboard
-from multihost import TWO, WORDS, group_overrides, small_corpus
+from corpora import code_jsonl
+from multihost import TWO, group_overrides, small_corpus
 
 from trainer.config import StragglerConfig
 from trainer.observe.heartbeat import heartbeat_path
@@ -308,10 +307,7 @@ def test_a_run_that_pauses_once_saves_evaluates_and_restarts_names_no_one(tmp_pa
     while: process 1 pauses 0.3 s a step for its first window's 10 steps (a one-off pause: one slow window,
     which alone names no one), periodic saves, evals, a crash of process 1 and its restart (a standby, a warm
     compile). Windows were judged on both processes in both attempts, and none named anyone."""
-    corpus = tmp_path / "corpus" / "docs.jsonl"  # documents, so that some are held out for the eval
-    corpus.parent.mkdir()
-    rng = random.Random(0)
-    corpus.write_text("".join(json.dumps({"text": " ".join(rng.choices(WORDS, k=300))}) + "\n" for _ in range(10)))
+    corpus = code_jsonl(tmp_path / "corpus" / "docs.jsonl", 0.05)  # documents: some are held out for the eval
     run = tmp_path / "run"
     first = GRACE + 1  # the first clean step: windows are cut every WINDOW clean steps from here
     run_trainer(

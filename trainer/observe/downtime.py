@@ -18,6 +18,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Sequence
 
 from trainer.observe import env_vars
 from trainer.observe.event_names import DOWNTIME
@@ -37,7 +38,7 @@ PARTS = {
 }
 
 
-def failed_at(pulses, cause_t: float, noticed: float) -> float:
+def failed_at(pulses: Sequence[dict | None], cause_t: float, noticed: float) -> float:
     """When a group failed that ended by itself: when the first process that failed by itself was seen leaving
     (`cause_t`, within a poll); where none was (a lost node's process is never reported, only its survivors'
     reactions), within a pulse of the oldest pulse that stopped, not leaving on purpose; else when noticed."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,7 +82,7 @@ class Pulses:
     failed: float = 0.0  # when the frozen process failed: within a pulse period after its last pulse (midpoint)
 
 
-def pulses(ps: list[dict | None], now: float) -> Pulses:
+def pulses(ps: Sequence[dict | None], now: float) -> Pulses:
     """`ps`: each process's pulse in this attempt (heartbeat.read_pulse; None before its first). A process is
     frozen when its pulse is over PULSE_STALE_S old while a peer's is at most PULSE_FRESH_S old: its peers are
     alive and, in lockstep, wait for it. Not judged: a process with no pulse yet (still starting: the startup
@@ -103,7 +103,7 @@ def frozen(ps: tuple[dict | None, ...], proc: group.Group, write: Callable, *, s
     its hang_detected event (phase "frozen"), its node the blame, and one line on stderr. No stack dump: a
     frozen process cannot answer, and its peers only wait for it. The caller kills the group. `ps`: the poll's
     pulses (heartbeat.Snapshot.pulses)."""
-    v = pulses(list(ps), time.time())
+    v = pulses(ps, time.time())
     if v.frozen is None:
         return v
     node = ps[v.frozen].get("node", "")
