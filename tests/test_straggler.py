@@ -270,7 +270,10 @@ def test_a_slowed_process_is_named_then_cleared_and_an_ecc_rise_on_it_checkpoint
     during = statistics.mean(steps[s] for s in range(SLOW_FROM + 5, SLOW_END - 2))
     ratio = verdict["slowdown"] / (during / before)
     print(f"verdict at step {verdict['step']}, {verdict['slowdown']:.2f}x against the run's {during / before:.2f}x")
-    assert StragglerConfig().factor <= verdict["slowdown"] and 0.75 <= ratio <= 1.25, (verdict, during / before)
+    # Alone the verdict is within 1% of the run's slowdown (10 runs); beside the suite 0.94-1.18 in 10 runs and
+    # once 1.38 (2.99x against 2.16x: load on the steps before inflated their mean). A verdict measured against a
+    # calm re-based on slowed windows read 0.42 once (1.47x against 3.46x, before the rule kept onset windows out).
+    assert StragglerConfig().factor <= verdict["slowdown"] and 0.7 <= ratio <= 1.5, (verdict, during / before)
     # cleared once the slowdown is over: after a whole calm window, within K steps of its end
     [cleared] = [e for e in evs if e["event"] == "straggler_cleared"]
     assert cleared["process"] == 1 and SLOW_END + WINDOW < cleared["step"] <= SLOW_END + K, (cleared, SLOW_END)
