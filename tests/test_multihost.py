@@ -77,7 +77,9 @@ def test_kill_and_hang_tear_the_group_down_and_the_run_ends_identical(tmp_path, 
     assert [d["reason"] for d in down] == ["signal SIGKILL", "hang", "hang"], down
     assert all(abs(sum(d["parts_s"].values()) - d["total_s"]) < 0.01 for d in down), down
     first = next(e for e in evs if e["event"] == "step" and e["time"] > exits[0]["time"])
-    assert abs(down[0]["total_s"] - (first["time"] - t_kill)) < 0.25, (down[0], first["time"] - t_kill)
+    # The accounted failure is when the supervisor saw the exit: on a loaded 2-core machine that lagged the kill by
+    # up to 0.37 s (a fresh-clone .ci/run: 9.90 s accounted, 10.27 s measured; idle within 0.25 s).
+    assert abs(down[0]["total_s"] - (first["time"] - t_kill)) < 0.5, (down[0], first["time"] - t_kill)
     assert down[2]["parts_s"]["noticed"] > PULSE_STALE_S - PULSE_S, down[2]
     print(
         f"teardown after SIGKILL of one process: {kill_teardown_s:.2f}s; after hang detection: {hang_teardown_s:.2f}s; "
