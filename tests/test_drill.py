@@ -39,6 +39,23 @@ def test_the_schedule_is_seeded_poisson_and_lands_each_kind_where_it_can():
     after_save = [p for p in a if p.kind == "crash_after_save"]
     assert all(p.step % every == 1 and p.fault == {"kind": "crash", "step": p.step} for p in after_save)
     failures = [p.step for p in a if p.kind in plan.RESTARTS]
+    # A crash in a save is planned at the save it fires in; failures 2 steps apart at least: the supervisor reads
+    # a crash the step after another as the same step failing again, and three in a row as a crash loop (the
+    # micro drill below, at 28 ms a step, once planned two crashes in the one save of 50 and a crash at 51).
+    assert all(p.step % every == 0 for p in a if p.kind == "crash_mid_save")
+    assert all(y - x >= 2 for x, y in zip(failures, failures[1:])), failures
+    micro = load_config(TINY, [*MICRO, *DRILL_SETS])
+    few = plan.schedule(micro, steps=59, step_s=0.028, mtbf_s=1.0, kinds=DRILLED.split(","), seed=3)
+    at = [p.step for p in few if p.kind in plan.RESTARTS]
+    assert len(at) >= 2 and all(y - x >= 2 for x, y in zip(at, at[1:])), few
+    # a preemption (sent when the drill's poll sees its step) a second of steps before the end at least
+    sent = [
+        p.step
+        for seed in range(20)
+        for p in plan.schedule(micro, steps=59, step_s=0.028, mtbf_s=1.0, kinds=["preempt", "crash"], seed=seed)
+        if p.kind == "preempt"
+    ]
+    assert sent and max(sent) < 59 - 3 - plan.PREEMPT_LEAD_S / 0.028, sent
     # one hang in a restart per failure at most: three restarts failing at one checkpoint are a crash loop
     kinds_in_order = [p.kind for p in sorted(a, key=lambda p: p.step)]
     assert not any(
@@ -203,6 +220,7 @@ def _drill(
 
 # Timeouts as a drill of these micro steps needs them (a step ~50 ms, a start ~5 s): the defaults (2 min a
 # step, 10 for a start) would spend the drill waiting.
+DRILLED = "crash,crash_after_save,hang,hang_restore,crash_mid_save,corrupt,preempt"  # the micro drill's kinds
 DRILL_SETS = (
     "supervisor.step_timeout_s=6",
     "supervisor.restore_timeout_s=15",
@@ -213,7 +231,7 @@ DRILL_SETS = (
 
 @pytest.mark.slow
 def test_a_drill_of_the_micro_config_heals_every_fault_and_ends_as_the_undisturbed_run(tmp_path):
-    kinds = "crash,crash_after_save,hang,hang_restore,crash_mid_save,corrupt,preempt"
+    kinds = DRILLED
     # 2 faults of 2 kinds, not 8 of 4: the suite's budget (the thresholds: the test above)
     few = ["--min-faults", "2", "--min-kinds", "2"]
     scale = ["--gpus", "64", "--gpu-mtbf-hours", "20000", "--days", "7"]  # the projection to a real run

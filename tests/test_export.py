@@ -135,7 +135,7 @@ def newest(run: Path) -> int:
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory) -> tuple[Path, Path]:
-    """(run, corpus): the session's uninterrupted 2-process x 4-device micro run (fp32, 30 steps, a corpus
+    """(run, corpus): the session's uninterrupted 2-process x 2-device micro run (fp32, 30 steps, a corpus
     of a few words: its greedy continuations are not one repeated byte)."""
     return group_reference(tmp_path_factory)
 
@@ -154,7 +154,7 @@ def exported(group, tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def fine_tuned(group, tmp_path_factory) -> Path:
-    """8 steps on 1 process x 8 devices (data 2 x fsdp 2 x tensor 2) from the 2-process run's params."""
+    """8 steps on 1 process x 4 devices (data 2 x fsdp 2) from the 2-process run's params."""
     source, corpus = group
     run = tmp_path_factory.mktemp("init_from") / "whole"
     run_trainer(run, *group_overrides(corpus, *ONE, *FINE_TUNE, f"train.init_from={source}"), worker=True)
@@ -416,7 +416,7 @@ print(json.dumps(out))
 
 
 def test_export_does_not_depend_on_the_mesh_or_process_count_that_saved(exported, fine_tuned, tmp_path):
-    runs = {"1 process x 8 devices": fine_tuned, "2 processes x 4 devices": exported[0]}  # both 2 x 2 x 2
+    runs = {"1 process x 4 devices": fine_tuned, "2 processes x 2 devices": exported[0]}  # both 2 x 2 x 1
     flags = "--xla_force_host_platform_device_count=8"
     env = dict(child_env(), JAX_PLATFORMS="cpu", XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}")
     p = subprocess.run(

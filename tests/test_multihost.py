@@ -1,5 +1,5 @@
 """Multi-process training through the same path as multi-host: jax.distributed with gloo collectives,
-2 processes x 4 fake CPU devices each. A killed or hung process takes the whole group down within
+2 processes x 2 fake CPU devices each. A killed or hung process takes the whole group down within
 seconds and the run still ends with the bytes of an uninterrupted one; checkpoints are sharded per
 process and resume on another process count with the same global data order; the data audit proves
 exactly-once consumption and catches overlapping shards and reshuffle-on-resume."""
@@ -111,7 +111,7 @@ def test_kill_and_hang_tear_the_group_down_and_the_run_ends_identical(tmp_path, 
 def test_elastic_resume_on_another_process_count_keeps_the_global_order(tmp_path, ref):
     ref_run, corpus = ref
     run = tmp_path / "run"
-    # 2 processes -> 1 -> 2, 8 devices throughout. The first leg ends by a SIGTERM that process 1 alone gets
+    # 2 processes -> 1 -> 2, 4 devices throughout. The first leg ends by a SIGTERM that process 1 alone gets
     # (the `signal` fault, as it starts step 7): the group acts on it at one step, 10; both save
     # and end preempted (exit 75, the code that makes SLURM requeue the job), process 0 too, which never saw
     # a signal: ending it as a plain stop (exit 0) would end a preempted job as if it were done.
@@ -150,7 +150,7 @@ def test_elastic_resume_on_another_process_count_keeps_the_global_order(tmp_path
 @pytest.mark.slow
 def test_two_processes_catch_a_flipped_replica_across_them_and_run_the_runbook_on_a_nan(tmp_path, ref):
     """The replica check and the spike runbook where they matter, across processes: the data replicas of a
-    2-process group live in different processes (data 2 x fsdp 2 x tensor 2 over 2 x 4 devices), so a flipped
+    2-process group live in different processes (data 2 x fsdp 2 over 2 x 2 devices), so a flipped
     bit in process 1's copy is found only by comparing fingerprints gathered from both; and a NaN update
     takes both processes out at one step (exit 78 from each) and both read the same skip list after."""
     ref_run, corpus = ref

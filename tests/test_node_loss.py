@@ -91,9 +91,13 @@ def test_two_nodes_lost_in_turn_heal_from_the_peer_copy_then_from_durable(tmp_pa
     exit0 = next(e for e in evs if e["event"] == "worker_exit")
     if exit0.get("node_failures"):  # SLURM noticed first ("Node failure on ...")
         assert exit0["node_failures"] == [lost[0]] and "node failure" in suspects[0]["reason"], (exit0, suspects)
-    else:  # the survivor's collective failed first (exit PEER_LOST): the node never reported is the one
-        assert exit0.get("first_task_error") == [survivor, 82], exit0  # exit_codes.PEER_LOST
+    elif exit0.get("first_task_error"):  # the survivor's collective failed first (exit PEER_LOST): the node never
+        assert exit0["first_task_error"] == [survivor, 82], exit0  # reported is the one (exit_codes.PEER_LOST)
         assert "vanished" in suspects[0]["reason"], suspects
+    else:  # the survivor's step raised nothing (as NCCL's often does): the lost process's pulse stopped while the
+        # survivor's went on, and the supervisor tore the group down (seen in 2 of 4 runs at 2 devices a process,
+        # the survivor silent 5.8 s in step 14 after the local save of 12 was sealed; never seen at 4)
+        assert exit0.get("signal") == "SIGKILL" and "froze" in suspects[0]["reason"], (exit0, suspects)
     assert starts[1]["nodes"] == [survivor, spare] and starts[1]["suspect_nodes"] == [lost[0]], starts[1]
     restored = [next(e for e in evs if e["event"] == "restore" and e["time"] > s["time"]) for s in starts[1:]]
     local_saves = [(e["step"], e["time"]) for e in evs if e["event"] == "checkpoint_saved" and e["tier"] == "local"]
@@ -170,7 +174,7 @@ def test_a_frozen_node_is_blamed_the_job_shrinks_and_regrows_when_it_is_trusted_
         "launch.min_processes=1",
         "launch.suspect_retry_minutes=0.1",
         "supervisor.step_timeout_s=10",
-        "mesh.data=-1",  # the mesh follows the devices: 2x2x2 on two processes, 1x2x2 on one
+        "mesh.data=-1",  # the mesh follows the devices: 2x2x1 on two processes, 1x2x1 on one
         "faults=[{kind: slow, step: 12, seconds: 1.0, count: 18}]",
     )
     victim_process = random.randrange(2)

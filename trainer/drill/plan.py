@@ -41,6 +41,9 @@ AFTER_RESTART = {"hang_startup", "hang_restore", "hang_compile"}  # fire in the 
 IN_PHASE = {"hang_checkpoint", "hang_eval"}  # fire the first time their phase is entered at or after their step
 CORRUPTIONS = CORRUPT_HOW  # what a corrupt fault may do: the config's faults[].how (trainer.config owns it)
 SLOW_STEPS, SLOW_MULTIPLE = 20, 3.0
+# The drill sends a preemption when its poll of the heartbeat (every 0.2 s, run.py) sees the planned step: one
+# planned 4 steps from the end of a 28 ms-a-step run was outrun (the run finished first, the drill failed).
+PREEMPT_LEAD_S = 1.0
 # A drill of fewer faults, or of fewer kinds, shows nothing about a configuration (--min-faults, --min-kinds)
 MIN_FAULTS, MIN_KINDS = 8, 4
 # A plan drawn for --minutes that falls short of them is grown (more steps, the same mean time between
@@ -95,18 +98,26 @@ def schedule(
     cfg: Config, *, steps: int, step_s: float, mtbf_s: float, kinds: list[str], seed: int, spares: int = 0
 ) -> list[Planned]:
     """Faults over `steps` steps: exponential gaps of mean `mtbf_s` seconds of training (`step_s` a step), none in the
-    first 3 steps or the last 3, at most one a step. Kinds drawn uniformly from `kinds`, except where one cannot
-    land: a hang in a restart needs an earlier failure, and one is all it gets (the same checkpoint failing three
-    restarts in a row is a crash loop, which stops the run); a slowdown, the pace before it; a spike needs the
-    runbook's warm-up behind it and a gap of runbook.recur_distance from any other spike or NaN (a recurrence would
-    soften the LR, which no undisturbed run can match), and no more spikes and NaNs than runbook.max_actions (one
-    more and the runbook stops the run for a human); ECC fires once (its alert stays open); a node is lost at most
-    once per spare (SLURM marks it down for good), never the first node's (the drill runs there)."""
+    first 3 steps or the last 3, at most one a step, and failures at least 2 steps apart where they fire (a crash
+    in a save fires at the first save at or after its step, so it is planned there: drawn anywhere, several
+    landed on one save, and the supervisor reads a crash the step after as the same step failing again: three
+    made a crash loop and the drill failed on its own plan, seen at 28 ms a step, 59 steps and one save).
+    Kinds drawn uniformly from `kinds`, except where one cannot land: a hang in a restart needs an earlier
+    failure, and one is all it gets (the same checkpoint failing three restarts in a row is a crash loop, which
+    stops the run); a slowdown, the pace before it; a spike needs the runbook's warm-up behind it and a gap of
+    runbook.recur_distance from any other spike or NaN (a recurrence would soften the LR, which no undisturbed
+    run can match), and no more spikes and NaNs than runbook.max_actions (one more and the runbook stops the
+    run for a human); ECC fires once (its alert stays open); a node is lost at most once per spare (SLURM marks
+    it down for good), never the first node's (the drill runs there)."""
     rng = random.Random(seed)
     plan: list[Planned] = []
     every = cfg.checkpoint.every_steps
     spike_from = cfg.runbook.warmup_steps + cfg.runbook.min_history
     t, used, last_rewind, last_failure, hung_after = 0.0, set(), -(10**9), None, True
+    failed: list[int] = []  # where each failure fires
+
+    def save_at_or_after(step: int) -> int:
+        return -(-step // every) * every if every else step
 
     def slow_from(failure: int | None) -> int:
         """A slowdown is seen against the pace before it: the throughput alert's window of steps (and, with
@@ -132,6 +143,8 @@ def schedule(
             and not (k == "node" and sum(p.kind == "node" for p in plan) >= spares)
             and not (k == "slow" and step < slow_from(last_failure))
             and not (k == "crash_after_save" and (step // every + 1) * every + 1 >= steps - 3)
+            and not (k == "crash_mid_save" and save_at_or_after(step) >= steps - 3)
+            and not (k == "preempt" and step >= steps - 3 - math.ceil(PREEMPT_LEAD_S / step_s))
         ]
         if not choices:
             continue
@@ -142,6 +155,11 @@ def schedule(
             if step in used:
                 continue
             fault = {"kind": "crash", "step": step}
+        elif kind == "crash_mid_save":
+            step = save_at_or_after(step)
+            if step in used:
+                continue
+            fault = {"kind": kind, "step": step}
         elif kind in AFTER_RESTART:
             # the restart after the last failure restores at its checkpoint, at most one interval back
             # (at least 1: a fresh start enters the restore phase too, at step 0, before any failure)
@@ -157,10 +175,13 @@ def schedule(
             fault = None
         elif kind == "node":  # a process past the first node's: the drill and the supervisor live there
             fault["process"] = rng.randrange(cfg.launch.processes_per_node, cfg.launch.processes)
+        if kind in RESTARTS and any(abs(step - f) < 2 for f in failed):
+            continue  # the supervisor reads failures a step apart as one step failing again (a crash loop)
         if kind in ("spike", "nan"):
             last_rewind = step
         if kind in RESTARTS:
             last_failure, hung_after = step, False
+            failed.append(step)
         hung_after |= kind in AFTER_RESTART
         used.add(step)
         plan.append(Planned(kind, step, fault))
