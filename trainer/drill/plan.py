@@ -43,7 +43,7 @@ CORRUPTIONS = CORRUPT_HOW  # what a corrupt fault may do: the config's faults[].
 SLOW_STEPS, SLOW_MULTIPLE = 20, 3.0
 # The drill sends a preemption when its poll of the heartbeat (every 0.2 s, run.py) sees the planned step: one
 # planned 4 steps from the end of a 28 ms-a-step run was outrun (the run finished first, the drill failed).
-PREEMPT_LEAD_S = 1.0
+PREEMPT_LEAD_S = 0.5  # 2.5 polls
 # A drill of fewer faults, or of fewer kinds, shows nothing about a configuration (--min-faults, --min-kinds)
 MIN_FAULTS, MIN_KINDS = 8, 4
 # A plan drawn for --minutes that falls short of them is grown (more steps, the same mean time between
