@@ -1286,7 +1286,13 @@ MUTATIONS = [
     M(
         "drill_hangs_every_restart",
         "the drill arms several hangs in the restarts after one failure: the same checkpoint fails three times",
-        (("trainer/drill/plan.py", "(last_failure is None or hung_after)", "(last_failure is None)"),),
+        (
+            (
+                "trainer/drill/plan.py",
+                "AFTER_RESTART:\n                return None",
+                "AFTER_RESTART:\n                continue",
+            ),
+        ),
         ("tests/test_drill.py::test_the_schedule_is_seeded_poisson_and_lands_each_kind_where_it_can",),
         catch="x in plan.AFTER_RESTART and y in plan.AFTER_RESTART",
     ),

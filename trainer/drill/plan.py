@@ -113,11 +113,24 @@ def schedule(
     plan: list[Planned] = []
     every = cfg.checkpoint.every_steps
     spike_from = cfg.runbook.warmup_steps + cfg.runbook.min_history
-    t, used, last_rewind, last_failure, hung_after = 0.0, set(), -(10**9), None, True
+    t, used, last_rewind, last_failure = 0.0, set(), -(10**9), None
     failed: list[int] = []  # where each failure fires
 
     def save_at_or_after(step: int) -> int:
         return -(-step // every) * every if every else step
+
+    def failure_before(step: int) -> int | None:
+        """The failure whose restart a hang at `step` would fire in: the last one planned before it, unless a
+        hang in a restart follows it already. Read from the plan in step order, not in the order drawn: a crash
+        after or in a save is planned at that save, after faults drawn later."""
+        for p in reversed(plan):
+            if p.step >= step:
+                continue
+            if p.kind in AFTER_RESTART:
+                return None
+            if p.kind in RESTARTS:
+                return p.step
+        return None
 
     def slow_from(failure: int | None) -> int:
         """A slowdown is seen against the pace before it: the throughput alert's window of steps (and, with
@@ -135,7 +148,7 @@ def schedule(
         choices = [
             k
             for k in kinds
-            if not (k in AFTER_RESTART and (last_failure is None or hung_after))
+            if not (k in AFTER_RESTART and failure_before(step) is None)
             and not (k == "spike" and (step < spike_from or step - last_rewind <= cfg.runbook.recur_distance))
             and not (k == "nan" and step - last_rewind <= cfg.runbook.recur_distance)
             and not (k in ("spike", "nan") and sum(p.kind in ("spike", "nan") for p in plan) >= cfg.runbook.max_actions)
@@ -163,7 +176,7 @@ def schedule(
         elif kind in AFTER_RESTART:
             # the restart after the last failure restores at its checkpoint, at most one interval back
             # (at least 1: a fresh start enters the restore phase too, at step 0, before any failure)
-            restored = max((last_failure // every - 1) * every, 1) if every else 1
+            restored = max((failure_before(step) // every - 1) * every, 1) if every else 1
             fault = {"kind": "hang", "step": restored, "phase": kind.split("_")[1]}
         elif kind in IN_PHASE:
             fault = {"kind": "hang", "step": step, "phase": kind.split("_")[1]}
@@ -180,9 +193,8 @@ def schedule(
         if kind in ("spike", "nan"):
             last_rewind = step
         if kind in RESTARTS:
-            last_failure, hung_after = step, False
+            last_failure = step
             failed.append(step)
-        hung_after |= kind in AFTER_RESTART
         used.add(step)
         plan.append(Planned(kind, step, fault))
         plan.sort(key=lambda p: p.step)
