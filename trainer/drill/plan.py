@@ -113,11 +113,17 @@ def schedule(
     plan: list[Planned] = []
     every = cfg.checkpoint.every_steps
     spike_from = cfg.runbook.warmup_steps + cfg.runbook.min_history
-    t, used, last_rewind, last_failure = 0.0, set(), -(10**9), None
-    failed: list[int] = []  # where each failure fires
+    t, used, last_rewind = 0.0, set(), -(10**9)
+    failed: list[int] = []  # where each failure fires, in the order drawn
 
-    def save_at_or_after(step: int) -> int:
-        return -(-step // every) * every if every else step
+    def fires_at(kind: str, step: int) -> int:
+        """Where a fault drawn at `step` fires: a crash after a save, the step after the next save; a crash in a
+        save, in the first save at or after its step; any other, there."""
+        if kind == "crash_after_save":
+            return (step // every + 1) * every + 1
+        if kind == "crash_mid_save" and every:
+            return -(-step // every) * every
+        return step
 
     def failure_before(step: int) -> int | None:
         """The failure whose restart a hang at `step` would fire in: the last one planned before it, unless a
@@ -154,25 +160,19 @@ def schedule(
             and not (k in ("spike", "nan") and sum(p.kind in ("spike", "nan") for p in plan) >= cfg.runbook.max_actions)
             and not (k == "ecc" and any(p.kind == "ecc" for p in plan))
             and not (k == "node" and sum(p.kind == "node" for p in plan) >= spares)
-            and not (k == "slow" and step < slow_from(last_failure))
-            and not (k == "crash_after_save" and (step // every + 1) * every + 1 >= steps - 3)
-            and not (k == "crash_mid_save" and save_at_or_after(step) >= steps - 3)
+            and not (k == "slow" and step < slow_from(failed[-1] if failed else None))
+            and not (k in ("crash_after_save", "crash_mid_save") and fires_at(k, step) >= steps - 3)
             and not (k == "preempt" and step >= steps - 3 - math.ceil(PREEMPT_LEAD_S / step_s))
         ]
         if not choices:
             continue
         kind = rng.choice(choices)
+        step = fires_at(kind, step)
+        if step in used:
+            continue
         fault: dict | None = {"kind": kind, "step": step}
         if kind == "crash_after_save":
-            step = (step // every + 1) * every + 1
-            if step in used:
-                continue
             fault = {"kind": "crash", "step": step}
-        elif kind == "crash_mid_save":
-            step = save_at_or_after(step)
-            if step in used:
-                continue
-            fault = {"kind": kind, "step": step}
         elif kind in AFTER_RESTART:
             # the restart after the last failure restores at its checkpoint, at most one interval back
             # (at least 1: a fresh start enters the restore phase too, at step 0, before any failure)
@@ -193,7 +193,6 @@ def schedule(
         if kind in ("spike", "nan"):
             last_rewind = step
         if kind in RESTARTS:
-            last_failure = step
             failed.append(step)
         used.add(step)
         plan.append(Planned(kind, step, fault))
