@@ -1716,4 +1716,18 @@ MUTATIONS = [
         ("tests/test_integrity.py::test_a_step_deleted_while_its_seals_are_listed_is_unsealed_not_a_crash",),
         catch='f"a step that went is no sealed step, not {listed!r}"',
     ),
+    M(
+        "cpu_processes_recompile_at_every_start",
+        "on XLA:CPU only process 0 writes its executables to the compilation cache (jax's rule): every other "
+        "process of a group compiles its step again at every start",
+        (
+            (
+                "trainer/parallel/distributed.py",
+                "if global_state.process_id == 0 or host_callbacks:",
+                "if True:",
+            ),
+        ),
+        ("tests/test_multihost.py::test_two_processes_on_a_cold_cache_prepare_once_and_each_caches_its_step",),
+        catch="assert len(steps) == 2, steps",
+    ),
 ]

@@ -34,6 +34,7 @@ from trainer.observe.events import EventLog
 from trainer.observe.heartbeat import Heartbeat, node_name
 from trainer.observe.spikes import SpikeDetector
 from trainer.observe.tensorboard import Writer
+from trainer.parallel import distributed
 from trainer.parallel import mesh as mesh_lib
 from trainer.supervise import runbook
 from trainer.train import data, optim
@@ -76,6 +77,8 @@ def setup_compile_cache(path: str) -> None:
     # Cache every executable, however small or quick to build: a restart should never recompile.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    if jax.process_count() > 1 and jax.default_backend() == "cpu":
+        distributed.cache_every_processes_executables()
 
 
 def _dig(tree: dict, dotted: str):
