@@ -593,7 +593,10 @@ def test_kills_at_random_moments_and_inside_async_saves_never_break_a_restore(tm
         # Those two saves are theirs: a SIGKILL landing between a fault's record and its exit took its crash
         # in a profile run of the suite, which then never fired again)
         kind = None
-        if hb and hb["phase"] == "step" and in_step and hb["step"] >= in_step[0]:
+        # Every kill at a step past the last one's: three failures at one step are a crash loop, and the
+        # supervisor rightly gives up (a fresh-clone run saw it: the mid-step kill at 4 before the local save of 2
+        # was sealed, the fresh start killed in the save of 4, and the resume from 2 killed at 4 again)
+        if hb and hb["phase"] == "step" and in_step and hb["step"] >= in_step[0] and hb["step"] > last:
             kind = "step"
         elif (
             hb
@@ -606,11 +609,11 @@ def test_kills_at_random_moments_and_inside_async_saves_never_break_a_restore(tm
         if kind is None or not _stepped(run):
             time.sleep(0.01)
             continue
+        last = hb["step"]
         if kind == "step":
             due = in_step.pop(0)
             time.sleep(rng.uniform(0, 0.05))
         else:
-            last = hb["step"]
             time.sleep(rng.uniform(0, 0.3))
         # A kill counts once it killed: the worker may have left by itself meanwhile (a crash_mid_save
         # fault firing in that very save, or an earlier kill the heartbeat does not show yet), and then the
