@@ -48,11 +48,12 @@ class _Bench:
         self.state = self.spec.init()
         self.tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
         self.done = 0
+        self.lr = np.float32(cfg.optim.lr)  # the train step's rate input (trainer.train.optim.lr_table)
 
     def steps(self, n: int) -> None:
         m = None
         for _ in range(n):
-            self.state, m = self.step(self.state, self.batches[self.done % len(self.batches)])
+            self.state, m = self.step(self.state, self.batches[self.done % len(self.batches)], self.lr)
             self.done += 1
         self.jax.block_until_ready(m)
 

@@ -76,6 +76,9 @@ def _bare_setup(compile_cache: str):
     return cfg, compiled, spec.init(), batches
 
 
+LR = __import__("numpy").float32(2e-3)
+
+
 def _two_in_flight(compiled, st, batches: list, more, done: list):
     """Dispatch step n, then wait for step n-1: two steps in flight, as in the trainer (a deeper queue
     can deadlock XLA:CPU's in-process collectives when 8 fake devices share 2 cores). Runs while
@@ -84,7 +87,7 @@ def _two_in_flight(compiled, st, batches: list, more, done: list):
 
     prev, i = None, 0
     while more(i):
-        st, m = compiled(st, batches[i % len(batches)])
+        st, m = compiled(st, batches[i % len(batches)], LR)  # a rate as the trainer passes each step
         i += 1
         if prev is not None:
             prev["loss"].block_until_ready()

@@ -1730,4 +1730,18 @@ MUTATIONS = [
         ("tests/test_multihost.py::test_kill_and_hang_tear_the_group_down_and_the_run_ends_identical",),
         catch="assert hits == [4, 4] and \"MISS for 'jit_train_step'\" not in log, hits",
     ),
+    M(
+        "schedule_baked_into_the_step",
+        "a constant that follows train.steps is compiled into the train step: a run extended on resume (or any "
+        "run of another length) compiles its step again instead of loading it from the cache",
+        (
+            (
+                "trainer/train/step.py",
+                "microbatches=microbatches, z_loss=cfg.train.z_loss)",
+                "microbatches=microbatches, z_loss=cfg.train.z_loss + 1e-12 * cfg.train.steps)",
+            ),
+        ),
+        ("tests/test_config.py::test_harmless_change_resumes_and_is_logged",),
+        catch="assert hit in longer.stderr",
+    ),
 ]

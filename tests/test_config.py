@@ -149,9 +149,15 @@ def test_bad_input_exits_2_with_one_line_and_leaves_the_run_dir_untouched(tmp_pa
 def test_harmless_change_resumes_and_is_logged(tmp_path):
     run = tmp_path / "run"
     run_trainer(run, "checkpoint.every_steps=5", worker=True)  # the micro config's 30 steps: compiled once a session
-    run_trainer(run, "train.steps=32", "checkpoint.every_steps=5", worker=True)
+    # jax logs each hit (log_compiles) and miss (explain_cache_misses) of its compilation cache
+    logged = {"JAX_LOG_COMPILES": "true", "JAX_EXPLAIN_CACHE_MISSES": "true"}
+    longer = run_trainer(run, "train.steps=32", "checkpoint.every_steps=5", worker=True, env=logged)
     from conftest import events
 
     changed = [e for e in events(run) if e["event"] == "config_changed"]
     assert any("'steps': 32" in e["change"] for e in changed)
     assert [e["step"] for e in events(run) if e["event"] == "restore"] == [30]
+    # A longer run is the same executable: the schedule is the step's input (trainer.train.optim.lr_table), so the
+    # resume loads the step the 30-step run compiled instead of compiling one for 32 steps
+    hit = "Persistent compilation cache hit for 'jit_train_step'"
+    assert hit in longer.stderr and "MISS for 'jit_train_step'" not in longer.stderr, longer.stderr[-3000:]

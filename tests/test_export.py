@@ -403,7 +403,7 @@ for run in sys.argv[1:]:
     meta = files.read_meta(step_dir)
     cfg = build(Config, meta.record["config"], "")
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-    tx = optim.make_optimizer(cfg.optim, cfg.train.steps, cfg.model)
+    tx = optim.make_optimizer(cfg.optim, cfg.model)
     spec = state.build(GPT(cfg.model), tx, mesh, seed=cfg.run.seed, seq_len=cfg.model.seq_len)
     # the trainer's own resume: every array sharded over the mesh
     st = checkpoint.Checkpointer(Path(run) / "checkpoints", cfg.checkpoint, read_only=True).restore(

@@ -155,11 +155,12 @@ def test_each_microbatch_draws_its_own_dropout_key_and_each_step_advances_the_sa
     tokens = gen.integers(0, 256, (4, cfg.model.seq_len + 1), dtype=np.int32)
     batch = lambda rows: jax.device_put(tokens[rows], step.input_shardings[0][1])  # noqa: E731
     key0 = np.asarray(jax.random.key_data(jax.random.key(0)))
-    st1, ab = step(state(key0), batch([0, 1, 2, 3]))
+    lr = np.float32(cfg.optim.lr)
+    st1, ab = step(state(key0), batch([0, 1, 2, 3]), lr)
     # Microbatch i is rows i, i+2: [1, 0, 3, 2] trades the two slices' places, each slice's rows unchanged.
-    _, ba = step(state(key0), batch([1, 0, 3, 2]))
+    _, ba = step(state(key0), batch([1, 0, 3, 2]), lr)
     assert float(ab["loss"]) != float(ba["loss"]), "the two microbatches drew the same dropout mask"
     key1 = np.asarray(st1["rng"])
     assert not np.array_equal(key1, key0), "a step left the PRNG key as it found it: the saved key is dead weight"
-    _, with_key1 = step(state(key1), batch([0, 1, 2, 3]))  # the same step, params and data
+    _, with_key1 = step(state(key1), batch([0, 1, 2, 3]), lr)  # the same step, params and data
     assert float(with_key1["loss"]) != float(ab["loss"]), "the step's dropout ignores the state's key"

@@ -17,7 +17,7 @@ CFG = ModelConfig(vocab_size=128, seq_len=16, d_model=32, n_layers=1, n_heads=2)
 
 def _fresh(seed: int):
     mesh = make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
-    spec = state.build(GPT(CFG), make_optimizer(OptimConfig(), 10, CFG), mesh, seed=seed, seq_len=CFG.seq_len)
+    spec = state.build(GPT(CFG), make_optimizer(OptimConfig(), CFG), mesh, seed=seed, seq_len=CFG.seq_len)
     return spec, spec.init()
 
 

@@ -245,7 +245,7 @@ def _train(w: Worker, flags: Flags, begin: _Start) -> int:
         if w.faults.bitflip(step):
             st = _bitflip(st, step)
         t0 = time.perf_counter()
-        st, m = begin.step_fn(st, batch)
+        st, m = begin.step_fn(st, batch, w.lrs[step])
         step += 1
         log.dispatched(step, m, data_wait, time.perf_counter() - t0)  # emits the previous step's metrics
         if ev is not None and step % cfg.eval.every_steps == 0:

@@ -3,6 +3,12 @@ matrices that multiply activations (which ones: read off the params' logical axe
 
 LR scale, clip norm and b2 are injected hyperparameters: they live in the optimizer state, so the
 loss-spike runbook can soften them on resume without a new compile, and they are checkpointed.
+
+The schedule is not in the compiled step either: optax's schedule is evaluated once at start-up for every
+step (lr_table) and the step takes its step's value as an input (trainer.train.step), the optimizer's own
+learning rate being 1. A resume that extends train.steps or changes the LR, warmup or floor then loads the
+step it compiled before from the compilation cache instead of compiling it again (minutes for a large model
+on GPUs); so do the test suite's runs of different lengths.
 """
 
 from __future__ import annotations
@@ -35,6 +41,19 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     )
 
 
+def lr_table(cfg: OptimConfig, total_steps: int) -> np.ndarray:
+    """The schedule's learning rate at steps 0..total_steps (float32), evaluated once, on the default device:
+    the value the train step that starts at step s takes is lr_table[s] (before the runbook's lr_scale)."""
+    sched = schedule(cfg, total_steps)
+    return np.asarray(jax.vmap(sched)(jax.numpy.arange(total_steps + 1, dtype=np.int32)), np.float32)
+
+
+def _unit_rate(count):
+    """AdamW's learning rate inside the chain: 1, as a schedule (the state keeps the count it always had); the
+    step scales the updates by its input rate (trainer.train.step)."""
+    return 1.0
+
+
 def _decays(axes) -> bool:
     names = set(axes)
     return DECAY_AXIS in names and names.isdisjoint(NO_DECAY_AXES)
@@ -46,10 +65,7 @@ def decay_mask(model_cfg: ModelConfig, params=None):
     return jax.tree.map(_decays, param_axes(GPT(model_cfg), params))
 
 
-def make_optimizer(
-    cfg: OptimConfig, total_steps: int, model_cfg: ModelConfig, params=None
-) -> optax.GradientTransformation:
-    sched = schedule(cfg, total_steps)
+def make_optimizer(cfg: OptimConfig, model_cfg: ModelConfig, params=None) -> optax.GradientTransformation:
     # A fixed pytree, not a function of the params: the step's params are unboxed and carry no axis names.
     mask = decay_mask(model_cfg, params)
 
@@ -57,7 +73,7 @@ def make_optimizer(
         return optax.chain(
             optax.clip_by_global_norm(clip_norm),
             optax.adamw(
-                learning_rate=lambda count: sched(count) * lr_scale,
+                learning_rate=_unit_rate,  # the step multiplies by lr_table[step] * lr_scale
                 b1=cfg.b1,
                 b2=b2,
                 eps=cfg.eps,

@@ -12,7 +12,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from trainer.config import Config
 from trainer.model import loss as loss_lib
 from trainer.parallel import mesh as mesh_lib
-from trainer.train import optim
 from trainer.train.state import StateSpec
 
 
@@ -58,22 +57,27 @@ def _grads(spec: StateSpec, mesh: Mesh, microbatches: int, z_loss: float = 0.0):
     return accumulated
 
 
-def make_train_step(spec: StateSpec, mesh: Mesh, *, lr_schedule, microbatches: int = 1, z_loss: float = 0.0):
+def make_train_step(spec: StateSpec, mesh: Mesh, *, microbatches: int = 1, z_loss: float = 0.0):
     tx = spec.tx
     grads_of = _grads(spec, mesh, microbatches, z_loss)
 
-    def train_step(state, tokens_BL1):
+    def train_step(state, tokens_BL1, lr):
+        """`lr`: the schedule's rate for this step (optim.lr_table[state's step]), an input rather than a constant
+        of the executable: a run of another length or schedule loads this executable from the cache."""
         # The key advances every step: the checkpoint's key is the one the next step draws its dropout from,
         # so a restore that lost it (or took the seed's) would train on other masks, and resume tests see it.
         dropout_key, next_key = jax.random.split(jax.random.wrap_key_data(state["rng"]))
         loss, grads = grads_of(state["params"], tokens_BL1, dropout_key)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         hp = state["opt_state"].hyperparams
+        lr = lr * hp["lr_scale"]
+        # AdamW's own rate is 1 (optim._unit_rate): this is where its updates are scaled, as optax would have
+        updates = jax.tree.map(lambda u: u * lr.astype(u.dtype), updates)
         metrics = {
             "loss": loss,
             "grad_norm": optax.global_norm(grads),  # before clipping: the leading spike indicator
             "update_norm": optax.global_norm(updates),
-            "lr": lr_schedule(state["step"]) * hp["lr_scale"],
+            "lr": lr,
         }
         new_state = {
             "step": state["step"] + 1,
@@ -85,7 +89,7 @@ def make_train_step(spec: StateSpec, mesh: Mesh, *, lr_schedule, microbatches: i
 
     return jax.jit(
         train_step,
-        in_shardings=(spec.shardings, mesh_lib.batch_sharding(mesh)),
+        in_shardings=(spec.shardings, mesh_lib.batch_sharding(mesh), mesh_lib.replicated(mesh)),
         out_shardings=(spec.shardings, mesh_lib.replicated(mesh)),
         donate_argnums=0,
     )
@@ -93,15 +97,10 @@ def make_train_step(spec: StateSpec, mesh: Mesh, *, lr_schedule, microbatches: i
 
 def lower_train_step(spec: StateSpec, mesh: Mesh, cfg: Config, *, microbatches: int) -> jax.stages.Lowered:
     """The train step traced for the config's global batch, under the mesh and the logical-axis rules."""
-    step_fn = make_train_step(
-        spec,
-        mesh,
-        lr_schedule=optim.schedule(cfg.optim, cfg.train.steps),
-        microbatches=microbatches,
-        z_loss=cfg.train.z_loss,
-    )
+    step_fn = make_train_step(spec, mesh, microbatches=microbatches, z_loss=cfg.train.z_loss)
     tokens = jax.ShapeDtypeStruct(
         (cfg.data.batch_size, cfg.model.seq_len + 1), np.int32, sharding=mesh_lib.batch_sharding(mesh)
     )
+    lr = jax.ShapeDtypeStruct((), np.float32, sharding=mesh_lib.replicated(mesh))
     with mesh_lib.active(mesh, cfg.model):
-        return step_fn.lower(spec.abstract, tokens)
+        return step_fn.lower(spec.abstract, tokens, lr)

@@ -59,6 +59,7 @@ class Worker:
     faults: FaultInjector
     skips: list[int]  # data batches the runbook skips (runbook.json)
     hyperparams: dict[str, float]  # the runbook's lr_scale, clip_norm, b2 (runbook.json)
+    lrs: np.ndarray  # the schedule's rate at each step (optim.lr_table): the train step's input
     n_params: int
     replicas: ReplicaCheck | None  # integrity.replica_check_steps > 0: compares data-parallel copies of the params
     eval_windows: np.ndarray | None  # this process's rows of the fixed eval batches (None: eval off)
@@ -228,7 +229,7 @@ def state_spec(cfg: Config, mesh: jax.sharding.Mesh) -> state_lib.StateSpec:
     worker trains, and what inspect and the benchmarks compile."""
     model = GPT(cfg.model)
     params = abstract_params(model)  # traced once: the decay mask and the state's shardings both read it
-    tx = optim.make_optimizer(cfg.optim, cfg.train.steps, cfg.model, params)
+    tx = optim.make_optimizer(cfg.optim, cfg.model, params)
     return state_lib.build(model, tx, mesh, seed=cfg.run.seed, seq_len=cfg.model.seq_len, params=params)
 
 
@@ -279,6 +280,7 @@ def setup(cfg: Config) -> Worker:
         faults=faults,
         skips=rb.skips,
         hyperparams=rb.hyperparams(),
+        lrs=optim.lr_table(cfg.optim, cfg.train.steps),
         n_params=state_lib.param_count(spec.abstract),
         replicas=ReplicaCheck(mesh, spec.abstract["params"]) if cfg.integrity.replica_check_steps else None,
         eval_windows=eval_windows,
