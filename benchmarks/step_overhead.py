@@ -52,7 +52,7 @@ def _bare_setup(compile_cache: str):
     import jax
 
     from trainer.parallel import mesh as mesh_lib
-    from trainer.train import data, worker
+    from trainer.train import data, optim, worker
     from trainer.train.step import lower_train_step
 
     worker.setup_compile_cache(cfg.run.compile_cache)
@@ -73,10 +73,8 @@ def _bare_setup(compile_cache: str):
     )
     # Real batches, placed on the devices before the clock starts: the loop never waits for input.
     batches = [jax.make_array_from_process_local_data(bsh, next(it)["tokens"]) for _ in range(8)]
-    return cfg, compiled, spec.init(), batches
-
-
-LR = __import__("numpy").float32(2e-3)
+    lr = optim.lr_table(cfg.optim, cfg.train.steps)[cfg.optim.warmup_steps]  # a host scalar, as the loop passes
+    return cfg, lambda st, batch: compiled(st, batch, lr), spec.init(), batches
 
 
 def _two_in_flight(compiled, st, batches: list, more, done: list):
@@ -87,7 +85,7 @@ def _two_in_flight(compiled, st, batches: list, more, done: list):
 
     prev, i = None, 0
     while more(i):
-        st, m = compiled(st, batches[i % len(batches)], LR)  # a rate as the trainer passes each step
+        st, m = compiled(st, batches[i % len(batches)])
         i += 1
         if prev is not None:
             prev["loss"].block_until_ready()

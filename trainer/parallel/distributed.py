@@ -104,9 +104,9 @@ def cache_every_processes_executables() -> None:
 
 def coordination_client():
     """The jax.distributed coordination service's client (its key-value store carries the loop's agreed
-    flags, trainer.parallel.agree). jax keeps it in a private module (the other private jax names we use:
-    cache_every_processes_executables), checked
-    against jax 0.10.2; the public API exposes initialize/shutdown but not the client."""
+    flags, trainer.parallel.agree). jax keeps it in a private module, checked against jax 0.10.2; the public API
+    exposes initialize/shutdown but not the client. (The only other private jax names we use are in
+    cache_every_processes_executables.)"""
     from jax._src.distributed import global_state
 
     return global_state.client

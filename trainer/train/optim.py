@@ -44,7 +44,8 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 def lr_table(cfg: OptimConfig, total_steps: int) -> np.ndarray:
     """The schedule's learning rate at steps 0..total_steps (float32), evaluated once, on the default device:
     the value the train step that starts at step s takes is lr_table[s] (before the runbook's lr_scale)."""
-    sched = schedule(cfg, total_steps)  # one small executable (op by op, a dozen, each compiled per length)
+    sched = schedule(cfg, total_steps)
+    # jitted: one small executable (cached), not a dozen eager ops, each compiled anew for every run length
     return np.asarray(jax.jit(jax.vmap(sched))(np.arange(total_steps + 1, dtype=np.int32)), np.float32)
 
 
