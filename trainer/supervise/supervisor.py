@@ -36,6 +36,8 @@ from trainer.observe.events import EventLog, read_events
 from trainer.supervise import exit_codes, group, hang, launcher, replica_rewind, runbook, storage, straggler
 from trainer.supervise.noise import is_library_noise
 
+PUMP_DRAIN_S = 1.0  # at most this long for an exited worker's last output
+
 
 @dataclass
 class Attempt:
@@ -51,6 +53,7 @@ class Attempt:
     failed: float = 0.0  # a hang or frozen verdict's estimate of when the group stopped, and the verdict's time
     noticed: float = 0.0
     down: float = 0.0  # when its last process was gone
+    pump: threading.Thread | None = None  # copies its output to our stderr and its log (_pump)
     trains_since: float = 0.0  # when its heartbeat first said "step"
 
 
@@ -93,7 +96,8 @@ class Supervisor:
         att = Attempt(number, proc, time.time())
         if self.cfg.straggler.enabled and proc.processes > 1:
             att.stragglers = straggler.StragglerWatch(self.cfg.straggler, proc.processes)
-        threading.Thread(target=self._pump, args=(att, log_dir), daemon=True).start()
+        att.pump = threading.Thread(target=self._pump, args=(att, log_dir), daemon=True)
+        att.pump.start()
         self.events.write(WORKER_START, pid=proc.pid, attempt=number, **self.launcher.describe())
         return att
 
@@ -238,7 +242,12 @@ class Supervisor:
             att = self._start(number)
             if interim_ledger:  # off the critical path: the new worker is already starting up
                 self._write_ledger(_last_step(self.run_dir), final=False)
-            ended = self._ended(att, self._wait(att))
+            code = self._wait(att)
+            # Its last lines, read before its exit is acted on: a refused config's one error line reached no
+            # terminal when the supervisor returned first (a fresh-clone run under load: exit 2, stderr empty).
+            # Bounded: a process that inherited the pipe may hold it open.
+            att.pump.join(timeout=PUMP_DRAIN_S)
+            ended = self._ended(att, code)
             d = exit_codes.decide(ended, self.tally, self.sc)
             if d.do == exit_codes.REFUSED:
                 return d.code
