@@ -36,8 +36,6 @@ from trainer.observe.events import EventLog, read_events
 from trainer.supervise import exit_codes, group, hang, launcher, replica_rewind, runbook, storage, straggler
 from trainer.supervise.noise import is_library_noise
 
-PUMP_DRAIN_S = 1.0  # at most this long for an exited worker's last output
-
 
 @dataclass
 class Attempt:
@@ -53,7 +51,7 @@ class Attempt:
     failed: float = 0.0  # a hang or frozen verdict's estimate of when the group stopped, and the verdict's time
     noticed: float = 0.0
     down: float = 0.0  # when its last process was gone
-    pump: threading.Thread | None = None  # copies its output to our stderr and its log (_pump)
+    pump: threading.Thread | None = None  # _pump: its output to our stderr and its log
     trains_since: float = 0.0  # when its heartbeat first said "step"
 
 
@@ -106,8 +104,7 @@ class Supervisor:
         return dict(os.environ, **{env_vars.PYTHONUNBUFFERED: "1"}, **progress.env())
 
     def _pump(self, att: Attempt, log_dir: Path) -> None:
-        """Copy worker output to our stderr (library noise only to the log) and a per-attempt log; keep a tail
-        for error messages."""
+        """Copy worker output to our stderr (library noise: log only) and a per-attempt log; keep a tail."""
         log = None
         for raw in iter(att.proc.stdout.readline, b""):
             line = raw.decode(errors="replace")
@@ -160,8 +157,7 @@ class Supervisor:
         return True
 
     def _check_frozen(self, att: Attempt, snap: heartbeat.Snapshot) -> bool:
-        """A process whose pulse stopped while its peers' go on: the group is killed now, not a step timeout
-        later (trainer.supervise.hang.frozen)."""
+        """A process whose pulse stopped while its peers' go on: killed now, not a step timeout later (hang.frozen)."""
         if att.proc.processes < 2:
             return False
         v = hang.frozen(snap.pulses, att.proc, self.events.write, step=snap.step)
@@ -220,8 +216,7 @@ class Supervisor:
             att.proc.send_signal(signal.SIGTERM)
 
     def _maybe_regrow(self, att: Attempt) -> None:
-        """A shrunk group whose lost capacity is back is asked to save and stop (as on a preemption), then
-        restarted at full size. Checked every REGROW_CHECK_S (sinfo is a call to slurmctld)."""
+        """A shrunk group whose capacity is back saves and stops, then restarts at full size (every REGROW_CHECK_S)."""
         if self.regrow or not self.accepted or time.time() - self._regrow_checked < REGROW_CHECK_S:
             return
         self._regrow_checked = time.time()
@@ -243,10 +238,7 @@ class Supervisor:
             if interim_ledger:  # off the critical path: the new worker is already starting up
                 self._write_ledger(_last_step(self.run_dir), final=False)
             code = self._wait(att)
-            # Its last lines, read before its exit is acted on: a refused config's one error line reached no
-            # terminal when the supervisor returned first (a fresh-clone run under load: exit 2, stderr empty).
-            # Bounded: a process that inherited the pipe may hold it open.
-            att.pump.join(timeout=PUMP_DRAIN_S)
+            att.pump.join(timeout=1.0)  # its last lines (a refusal's error) out first; a pipe may be held open
             ended = self._ended(att, code)
             d = exit_codes.decide(ended, self.tally, self.sc)
             if d.do == exit_codes.REFUSED:
