@@ -5,6 +5,7 @@ collected), so a renamed test, a dropped mutation or a new mutation left off the
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -28,6 +29,7 @@ def _items(text: str) -> list[str]:
     return [i for i in items if i]
 
 
+@functools.cache  # parsed once per file: the map is checked against several texts
 def _test_functions(file: str) -> set[str]:
     path = TESTS / file
     if not path.is_file():
@@ -40,12 +42,12 @@ def problems(text: str) -> list[str]:
     """What is wrong with a map's text: named tests or mutations that do not exist, a mutation beside tests
     none of which is one of its own, a mutation the map leaves out."""
     mutations = {m.name: {t.split("[")[0] for t in m.tests} for m in MUTATIONS}
-    found, cited, functions = [], set(), {}
+    found, cited = [], set()
     for item in _items(text):
         tests = {f"tests/{f}::{name}" for f, name in TEST_ID.findall(item)}
         for test in sorted(tests):
             file, name = test[len("tests/") :].split("::")
-            if name not in functions.setdefault(file, _test_functions(file)):
+            if name not in _test_functions(file):
                 found.append(f"{test}: no such test function")
         if "Mutations:" not in item:
             continue
