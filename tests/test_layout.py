@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import COMPILE_CACHE, ROOT, TINY, child_env, sets, summary
+from conftest import MICRO, ROOT, TINY, child_env, sets, summary
 
 import trainer
 
@@ -94,19 +94,8 @@ def test_supervisor_status_report_without_jax(tmp_path):
     """A whole supervised run whose supervisor cannot import jax (its worker, a separate process, can),
     then status and report on the result, just as jax-less."""
     run = tmp_path / "run"
-    micro = [
-        "train.steps=10",
-        "model.d_model=32",
-        "model.n_heads=4",
-        "model.n_layers=1",
-        "model.seq_len=32",
-        "data.batch_size=8",
-        "log.progress=false",
-        "data.default_corpus_mb=0.3",
-        "checkpoint.every_steps=5",
-        f"run.dir={run}",
-        f"run.compile_cache={COMPILE_CACHE}",
-    ]
+    # The suite's micro config (its compiled step is a cache hit), with the end-of-run report back on.
+    micro = [*MICRO, "train.steps=10", "checkpoint.every_steps=5", "log.report=true", f"run.dir={run}"]
     out = _cli("--config", TINY, *sets(*micro), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert summary(run)["final_step"] == 10 and "goodput" in summary(run)
