@@ -108,6 +108,7 @@ def test_an_imported_token_file_trains_and_a_small_vocab_is_refused(tmp_path, bp
         tmp_path / "run",
         f"data.path={imported}",
         "model.vocab_size=512",
+        DROPOUT,  # the module's one compiled train step (the fixture's): a cache hit, not a compile
         "train.steps=5",
         "checkpoint.every_steps=0",
         worker=True,
