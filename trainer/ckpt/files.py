@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.ckpt import manifest
+from trainer.observe import rundir
+from trainer.yamltree import read_yaml
 
 DURABLE, LOCAL = "durable", "local"  # the tiers: shared storage (all processes, one checkpoint), node-local
 # The Orbax items of a step, each a folder in the step directory:
@@ -32,8 +34,39 @@ REWOUND = "rewound"  # RUN_DIR/...: checkpoints the spike runbook rewound away f
 LOCAL_REJECTED = "rejected"  # beside the local tier's process folders: its rejected copies
 
 
-def durable_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / CHECKPOINTS
+def durable_dir(run_dir: str | Path, configured: str | None = None) -> Path:
+    """The durable tier: checkpoint.durable_dir when set (another file system than the run dir's, e.g. a
+    scratch file system beside a home directory), else RUN_DIR/checkpoints. `configured`: the config's value,
+    from a caller that holds the config (the worker, before it writes RUN_DIR/config.yaml); None: read from
+    RUN_DIR/config.yaml, for those that know only the run dir (the supervisor, status, the runbook)."""
+    if configured is None:
+        configured = saved_durable_dir(run_dir)
+    return Path(configured).expanduser() if configured else Path(run_dir) / CHECKPOINTS
+
+
+_SAVED: dict[Path, tuple[int, str]] = {}  # config.yaml -> (mtime_ns, its checkpoint.durable_dir): read once
+
+
+def saved_durable_dir(run_dir: str | Path) -> str:
+    """checkpoint.durable_dir as RUN_DIR/config.yaml records it ("" when unset, or no run yet)."""
+    path = Path(run_dir) / rundir.CONFIG
+    try:
+        mtime = path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return ""
+    if (hit := _SAVED.get(path)) is None or hit[0] != mtime:
+        section = read_yaml(str(path)).get("checkpoint") or {}
+        _SAVED[path] = hit = (mtime, str(section.get("durable_dir") or ""))
+    return hit[1]
+
+
+def aside_dir(run_dir: str | Path, name: str, configured: str | None = None) -> Path:
+    """Where durable checkpoints moved aside go (`name`: REJECTED, REWOUND), on the durable tier's own file
+    system (a rename cannot cross one): RUN_DIR/NAME beside the default RUN_DIR/checkpoints, else
+    DURABLE_DIR-NAME beside checkpoint.durable_dir."""
+    durable = durable_dir(run_dir, configured)
+    default = durable == Path(run_dir) / CHECKPOINTS
+    return Path(run_dir) / name if default else durable.parent / f"{durable.name}-{name}"
 
 
 NODE = "{node}"  # in checkpoint.local_dir: the node's name (for nodes that share one file system, and tests)
@@ -113,9 +146,9 @@ def read_meta(step_dir: str | Path) -> Meta:
     return Meta(step_dir, json.loads((step_dir / META / META_FILE).read_text()))
 
 
-def rejected_path(run_dir: str | Path, step: int, stamp: int) -> Path:
+def rejected_path(run_dir: str | Path, step: int, stamp: int, configured: str | None = None) -> Path:
     """Where a rejected durable checkpoint goes (`stamp` keeps a step rejected twice apart)."""
-    return Path(run_dir) / REJECTED / f"{step}-{stamp}"
+    return aside_dir(run_dir, REJECTED, configured) / f"{step}-{stamp}"
 
 
 def local_rejected_path(tier_dir: Path, step: int, stamp: int) -> Path:
@@ -125,4 +158,4 @@ def local_rejected_path(tier_dir: Path, step: int, stamp: int) -> Path:
 
 def rewound_path(run_dir: str | Path, step: int, tag: int) -> Path:
     """Where a checkpoint the runbook rewound away from goes (`tag`: the rewind's)."""
-    return Path(run_dir) / REWOUND / f"{step}-{tag}"
+    return aside_dir(run_dir, REWOUND) / f"{step}-{tag}"

@@ -33,7 +33,7 @@ def saved_meta(run_dir: Path, cfg: CheckpointConfig) -> Meta | None:
     checked against before anything is written, and what the restore of that step uses (`Tiers(saved=)`).
     A torn one is skipped here; the restore rejects it. Read as this process alone: processes may find their
     newest metadata in different tiers (a replaced node has no local one)."""
-    dirs = [checkpoint_files.durable_dir(run_dir)]
+    dirs = [checkpoint_files.durable_dir(run_dir, cfg.durable_dir)]
     if cfg.local_dir:
         dirs.append(checkpoint_files.local_dir(cfg.local_dir, run_dir, jax.process_index(), buddy.node_name()))
     found = [(s, d) for d in dirs for s in checkpoint_files.committed_steps(d)]
@@ -63,7 +63,7 @@ class Tiers:
         self.cfg, self.log = cfg, log
         self.run_dir = Path(run_dir)
         self.durable = Checkpointer(
-            checkpoint_files.durable_dir(self.run_dir), cfg, pinned=pinned, commit_delay=commit_delay
+            checkpoint_files.durable_dir(self.run_dir, cfg.durable_dir), cfg, pinned=pinned, commit_delay=commit_delay
         )
         self.local: Checkpointer | None = None
         self.pairing: buddy.Pairing | None = None  # who holds whose local copy; None: no copies (one node)
@@ -305,7 +305,8 @@ class Tiers:
                 reader = self._reader(problem["file"].split("/", 1)[0])
                 reader.move_aside(step, checkpoint_files.local_rejected_path(reader.directory, step, stamp))
         elif jax.process_index() == 0:
-            self.durable.move_aside(step, checkpoint_files.rejected_path(self.run_dir, step, stamp))
+            aside = checkpoint_files.rejected_path(self.run_dir, step, stamp, self.cfg.durable_dir)
+            self.durable.move_aside(step, aside)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 

@@ -3,6 +3,7 @@ each with its rules: ranges and choices on the fields' types, the rules between 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -149,6 +150,8 @@ class CheckpointConfig(Section):
     keep_every: NonNegative[int] = 0  # also keep every Nth step forever (0 = off)
     async_save: bool = True
     verify: bool = True  # content manifests (sha256 per file) written after each save and checked before a restore
+    # the durable tier's directory, on any shared file system; "" = RUN_DIR/checkpoints
+    durable_dir: str = ""
     local_dir: str = ""  # node-local directory (RAM disk, local NVMe) for the fast tier; "" = no local tier
     local_every_steps: NonNegative[int] = 0  # local-tier saves every N steps (0 = none by steps)
     # local-tier saves every M minutes (0 = none by time); keep_latest applies too
@@ -165,6 +168,13 @@ class CheckpointConfig(Section):
         if not isinstance(m, str) and (isinstance(m, bool) or m < 0):
             raise ConfigError(f"{where}.every_minutes must be >= 0 or 'auto', got {m!r}")
         self.every_minutes = m
+        if "://" in self.durable_dir:
+            raise ConfigError(
+                f"{where}.durable_dir={self.durable_dir!r}: object storage URLs are not supported yet; "
+                f"pass a directory on a shared file system"
+            )
+        if self.durable_dir and not os.path.isabs(os.path.expanduser(self.durable_dir)):
+            raise ConfigError(f"{where}.durable_dir must be an absolute path, got {self.durable_dir!r}")
         if bool(self.local_dir) != bool(self.local_every_steps or self.local_every_minutes):
             raise ConfigError(f"set {where}.local_dir and local_every_steps/_minutes together, or neither")
 

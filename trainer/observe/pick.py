@@ -15,7 +15,7 @@ from pathlib import Path
 from trainer.ckpt import files as checkpoint_files
 from trainer.ckpt import manifest
 from trainer.config import ConfigError
-from trainer.observe import runview
+from trainer.observe import rundir, runview
 from trainer.observe.event_names import SESSION_STARTS
 
 
@@ -68,7 +68,9 @@ def _where(path: Path, step: int | None) -> tuple[Path | None, int | None]:
             raise ConfigError(f"{path} is the checkpoint of step {path.name}, but --step says {step}")
         run = path.parent.parent if path.parent.name == checkpoint_files.CHECKPOINTS else None
         return run, int(path.name)
-    if (path / checkpoint_files.CHECKPOINTS).is_dir():
+    if (path / checkpoint_files.CHECKPOINTS).is_dir() or (
+        (path / rundir.CONFIG).is_file() and checkpoint_files.durable_dir(path).is_dir()
+    ):  # a run dir: its checkpoints below it, or where its checkpoint.durable_dir says
         return path, step
     raise ConfigError(
         f"{path} is neither a run dir (with a {checkpoint_files.CHECKPOINTS}/ directory) nor a checkpoint "
@@ -90,7 +92,7 @@ def pick(
     if not path.exists():
         raise ConfigError(f"{path} does not exist; pass a run dir or RUN_DIR/{checkpoint_files.CHECKPOINTS}/STEP")
     run, named = _where(path, step)
-    ckpts = Path(run) / checkpoint_files.CHECKPOINTS if run else path.parent
+    ckpts = checkpoint_files.durable_dir(run) if run else path.parent
     have = steps(run) if run else [named]
     if named is not None and named not in have:
         raise ConfigError(f"{run} has no checkpoint of step {named}; it has: {_listing(have)}")

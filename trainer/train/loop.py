@@ -156,7 +156,7 @@ def _install_signals(w: Worker, flags: Flags) -> None:
 
 
 def _newest_durable(w: Worker) -> int:
-    return ([0, *committed_steps(durable_dir(w.run_dir))])[-1]
+    return ([0, *committed_steps(durable_dir(w.run_dir, w.cfg.checkpoint.durable_dir))])[-1]
 
 
 def _restore_or_init(w: Worker):

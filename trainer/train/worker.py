@@ -110,6 +110,17 @@ def check_resume(saved: dict, cfg: Config, fingerprint: str) -> list[str]:
     return changes
 
 
+def check_durable_dir(run_dir: Path, configured: str) -> None:
+    """A run's checkpoints stay where it started them: a resume that names another checkpoint.durable_dir would
+    start over beside the run's history, so it is refused (one line, nothing written)."""
+    if (run_dir / rundir.CONFIG).is_file() and (was := checkpoint_files.saved_durable_dir(run_dir)) != configured:
+        raise ConfigError(
+            f"checkpoint.durable_dir changed from {was or repr('')} to {configured or repr('')}: this run's "
+            f"checkpoints are in {checkpoint_files.durable_dir(run_dir, was)}; set it back, or move them there "
+            f"and update {run_dir / rundir.CONFIG}"
+        )
+
+
 def elastic_microbatches(cfg: Config, processes: int) -> int:
     """train.microbatches, times the factor by which the group shrank below launch.processes (the launcher
     shrinks only to a divisor): same global batch, same per-device batch, more slices per step."""
@@ -240,6 +251,7 @@ def setup(cfg: Config) -> Worker:
     shape = mesh_lib.mesh_shape(cfg.mesh, jax.device_count())
     microbatches = elastic_microbatches(cfg, jax.process_count())
     validate_shapes(cfg, shape, jax.process_count(), microbatches, corpus)
+    check_durable_dir(run_dir, cfg.checkpoint.durable_dir)
     saved = tiers.saved_meta(run_dir, cfg.checkpoint)  # read once: the restore of that step uses it too
     changes = check_resume(saved.record, cfg, corpus.fingerprint) if saved else []
     init_from = saved.record.get("init_from") if saved else weights.init_source(cfg)  # a resume never re-applies it
