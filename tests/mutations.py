@@ -1744,4 +1744,37 @@ MUTATIONS = [
         ("tests/test_config.py::test_harmless_change_resumes_and_is_logged",),
         catch="assert hit in longer.stderr",
     ),
+    M(
+        "durable_dir_ignored_by_the_worker",
+        "the worker's tiers save into RUN_DIR/checkpoints whatever checkpoint.durable_dir says",
+        (
+            (
+                "trainer/ckpt/tiers.py",
+                "checkpoint_files.durable_dir(self.run_dir, cfg.durable_dir), cfg,",
+                "checkpoint_files.durable_dir(self.run_dir, ''), cfg,",
+            ),
+        ),
+        ("tests/test_checkpoint.py::test_a_durable_dir_elsewhere_holds_the_run_and_every_reader_finds_it",),
+        catch='assert sorted(p.name for p in durable.glob("*")) == ["10", "13"]',
+    ),
+    M(
+        "rejected_moved_to_the_run_dir",
+        "a rejected durable checkpoint is moved under the run dir, off the durable tier's file system",
+        (
+            (
+                "trainer/ckpt/files.py",
+                'return Path(run_dir) / name if default else durable.parent / f"{durable.name}-{name}"',
+                "return Path(run_dir) / name",
+            ),
+        ),
+        ("tests/test_checkpoint.py::test_a_durable_dir_elsewhere_holds_the_run_and_every_reader_finds_it",),
+        catch='assert [p.name.split("-")[0] for p in (scratch / "ckpts-rejected_checkpoints").glob("*")] == ["13"]',
+    ),
+    M(
+        "durable_dir_change_not_refused",
+        "a resume naming another checkpoint.durable_dir starts over there instead of being refused",
+        (("trainer/train/worker.py", "    check_durable_dir(run_dir, cfg.checkpoint.durable_dir)\n", ""),),
+        ("tests/test_checkpoint.py::test_a_durable_dir_elsewhere_holds_the_run_and_every_reader_finds_it",),
+        catch="assert moved.returncode == 2",
+    ),
 ]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,54 @@ def test_params_sha256_is_the_sha256_of_the_final_params(reference_run):
     for _path, leaf in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):
         h.update(np.ascontiguousarray(leaf).tobytes())
     assert len(jax.tree.leaves(params)) > 10 and summary(run)["params_sha256"] == h.hexdigest()
+
+
+@pytest.mark.slow
+def test_a_durable_dir_elsewhere_holds_the_run_and_every_reader_finds_it(tmp_path, reference_run):
+    """checkpoint.durable_dir: the durable tier on another path than the run dir (a scratch file system beside
+    a home directory). The checkpoints land there and nowhere else; a corrupt newest one is moved aside on
+    that file system (a rename cannot cross one) and the resume falls back to the one before, ending bitwise
+    the uninterrupted run; `checkpoints --verify` and `export` find them from the run dir alone; a resume
+    naming another durable_dir is refused before anything is written."""
+    from conftest import ROOT, child_env, snapshot, step_losses, trainer_cmd
+
+    from trainer.faults import corrupt
+
+    ref = reference_run()
+    run, scratch = tmp_path / "run", tmp_path / "scratch"
+    durable = scratch / "ckpts"
+    where = f"checkpoint.durable_dir={durable}"
+    run_trainer(run, where, "train.stop_at_step=13", worker=True)
+    assert sorted(p.name for p in durable.glob("*")) == ["10", "13"] and not (run / "checkpoints").exists()
+    hit = corrupt.newest(run, "flip")  # the run's durable tier found through RUN_DIR/config.yaml
+    assert hit.startswith("13/state/") and (durable / hit).is_file(), hit
+
+    before = (snapshot(run), snapshot(scratch))
+    moved = subprocess.run(
+        trainer_cmd(run, f"checkpoint.durable_dir={scratch / 'moved'}"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=child_env(),
+    )
+    lines = moved.stderr.strip().splitlines()
+    assert moved.returncode == 2 and len(lines) == 1 and "checkpoint.durable_dir changed from" in lines[0], lines
+    assert (snapshot(run), snapshot(scratch)) == before, "a refused resume wrote"
+
+    run_trainer(run, where, worker=True)
+    rejected = [e for e in events(run) if e["event"] == "checkpoint_rejected"]
+    assert [(e["step"], e["tier"]) for e in rejected] == [(13, "durable")], rejected
+    assert [p.name.split("-")[0] for p in (scratch / "ckpts-rejected_checkpoints").glob("*")] == ["13"]
+    assert summary(run)["params_sha256"] == summary(ref)["params_sha256"]
+    losses, uninterrupted = step_losses(run), step_losses(ref)
+    assert [k for k, v in losses.items() if len(v) > 1] == [11, 12, 13]  # retrained from 10: the same losses
+    assert {k: set(v) for k, v in losses.items()} == {k: set(v) for k, v in uninterrupted.items()}
+
+    cli = lambda *a: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "trainer", *a], cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env()
+    )
+    listed = cli("checkpoints", str(run), "--verify")
+    assert listed.returncode == 0 and "ok:" in listed.stdout and " 30 " in listed.stdout, listed.stdout + listed.stderr
+    exported = cli("export", str(run), "--out", str(tmp_path / "hf"))
+    assert exported.returncode == 0 and f"of {durable}/30 (verified" in exported.stdout + exported.stderr, exported
