@@ -52,7 +52,7 @@ def saved_durable_dir(run_dir: str | Path) -> str:
     path = Path(run_dir) / rundir.CONFIG
     try:
         mtime = path.stat().st_mtime_ns
-    except FileNotFoundError:
+    except OSError:  # no run yet, or RUN_DIR is not a directory (refused later, with its own line)
         return ""
     if (hit := _SAVED.get(path)) is None or hit[0] != mtime:
         section = read_yaml(str(path)).get("checkpoint") or {}
