@@ -44,20 +44,15 @@ def durable_dir(run_dir: str | Path, configured: str | None = None) -> Path:
     return Path(configured).expanduser() if configured else Path(run_dir) / CHECKPOINTS
 
 
-_SAVED: dict[Path, tuple[int, str]] = {}  # config.yaml -> (mtime_ns, its checkpoint.durable_dir): read once
-
-
 def saved_durable_dir(run_dir: str | Path) -> str:
-    """checkpoint.durable_dir as RUN_DIR/config.yaml records it ("" when unset, or no run yet)."""
+    """checkpoint.durable_dir as RUN_DIR/config.yaml records it ("" when unset, or no run yet). Read at each
+    call (a few ms; callers ask a few times a command, or once a poll while the supervisor waits for disk
+    room). observe.runview.saved_config reads the same file for the observers; this module sits below them."""
     path = Path(run_dir) / rundir.CONFIG
-    try:
-        mtime = path.stat().st_mtime_ns
-    except OSError:  # no run yet, or RUN_DIR is not a directory (refused later, with its own line)
+    if not path.is_file():  # no run yet, or RUN_DIR is not a directory (refused later, with its own line)
         return ""
-    if (hit := _SAVED.get(path)) is None or hit[0] != mtime:
-        section = read_yaml(str(path)).get("checkpoint") or {}
-        _SAVED[path] = hit = (mtime, str(section.get("durable_dir") or ""))
-    return hit[1]
+    tree = read_yaml(str(path))
+    return str((tree.get("checkpoint") or {}).get("durable_dir") or "")
 
 
 def aside_dir(run_dir: str | Path, name: str, configured: str | None = None) -> Path:
