@@ -1078,6 +1078,20 @@ MUTATIONS = [
         catch="assert len(verdicts) == 1, verdicts",
     ),
     M(
+        "straggler_slowdown_of_the_last_window",
+        "the verdict's slowdown is its last window's alone: one stall of a loaded host in those steps inflates it "
+        "(a run beside the suite read 7.3x where its slowed steps showed 3.9x)",
+        (
+            (
+                "trainer/supervise/straggler.py",
+                "    step = calm + total.lost_s / total.steps\n",
+                "    step = v.slowdown * v.calm_s\n",
+            ),
+        ),
+        ("tests/test_straggler.py::test_the_slowdown_is_the_mean_over_every_window_behind_the_verdict",),
+        catch="abs(v.slowdown - 0.302 / 0.102) < 1e-9",
+    ),
+    M(
         "straggler_slowdown_against_its_own_excess",
         "the verdict's slowdown measured against the step without the straggler's excess, not the group's calm "
         "windows: a process sleeping 3x the step reads as a 30x slowdown",
@@ -1745,13 +1759,44 @@ MUTATIONS = [
         catch="assert hit in longer.stderr",
     ),
     M(
+        "bucket_restore_reads_only_the_staging_copy",
+        "with the durable tier in a bucket, a restore reads the staging directory and never downloads: a node "
+        "without the staging copies (or a staging copy gone) cannot resume from the bucket",
+        (
+            (
+                "trainer/ckpt/tiers.py",
+                "        if self.durable.bucket is None:\n            return\n",
+                "        return\n",
+            ),
+        ),
+        (
+            "tests/test_bucket.py::test_a_run_whose_durable_tier_is_a_bucket_resumes_from_it_bitwise_and_falls_back_past_a_flipped_byte",
+        ),
+        catch="assert rejected == [(13,",
+    ),
+    M(
+        "bucket_never_pruned",
+        "retention applies to the staging directory only: the bucket keeps every checkpoint ever saved",
+        (
+            (
+                "trainer/ckpt/checkpoint.py",
+                "        self._listing = self.bucket.steps()\n        sealed =",
+                "        return\n        sealed =",
+            ),
+        ),
+        (
+            "tests/test_bucket.py::test_a_run_whose_durable_tier_is_a_bucket_resumes_from_it_bitwise_and_falls_back_past_a_flipped_byte",
+        ),
+        catch="assert final == sorted(",
+    ),
+    M(
         "durable_dir_ignored_by_the_worker",
         "the worker's tiers save into RUN_DIR/checkpoints whatever checkpoint.durable_dir says",
         (
             (
                 "trainer/ckpt/tiers.py",
-                "checkpoint_files.durable_dir(self.run_dir, cfg.durable_dir), cfg,",
-                "checkpoint_files.durable_dir(self.run_dir, ''), cfg,",
+                "checkpoint_files.durable_dir(self.run_dir, cfg.durable_dir),\n            cfg,",
+                "checkpoint_files.durable_dir(self.run_dir, ''),\n            cfg,",
             ),
         ),
         ("tests/test_checkpoint.py::test_a_durable_dir_elsewhere_holds_the_run_and_every_reader_finds_it",),

@@ -135,7 +135,11 @@ def test_bad_input_exits_2_with_one_line_and_leaves_the_run_dir_untouched(tmp_pa
         (trainer_cmd(run, "run.seed=1")[3:], "run.seed changed from 0 to 1"),
         (trainer_cmd(run, "data.shuffle=false", worker=True)[3:], "data.shuffle changed from True to False"),
         (trainer_cmd(run, "train.microbatches=3")[3:], "must be divisible by train.microbatches (3)"),
-        (trainer_cmd(run, "checkpoint.durable_dir=s3://bucket/run")[3:], "object storage URLs are not supported yet"),
+        (trainer_cmd(run, "checkpoint.durable_dir=ftp://host/run")[3:], "only s3:// and gs:// buckets are supported"),
+        (
+            trainer_cmd(run, "checkpoint.durable_dir=s3://b/run", "checkpoint.verify=false")[3:],
+            "the content manifests are the commit markers",
+        ),
     ]
     for args, message in cases:
         proc = _cli(*args)

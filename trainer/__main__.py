@@ -152,6 +152,11 @@ def main(argv: list[str]) -> int:
             print(line, file=sys.stderr)
             return 0
         rundir.check_writable(cfg.run.dir)
+        if "://" in cfg.checkpoint.durable_dir:  # a bucket that is missing or refuses us: before any write
+            from trainer.ckpt import bucket
+
+            if why := bucket.Bucket(cfg.checkpoint.durable_dir).check():
+                raise ConfigError(why)
         if args.worker or not cfg.run.supervise:
             return run_worker(cfg)
         from trainer.supervise import supervisor

@@ -25,8 +25,8 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as cm
 
+from trainer.ckpt import bucket, manifest
 from trainer.ckpt import files as checkpoint_files
-from trainer.ckpt import manifest
 from trainer.ckpt.files import BUDDY, DATA, DURABLE, ITEMS, LOCAL, META, STATE, Meta
 from trainer.config import CheckpointConfig
 from trainer.parallel.distributed import allgather_json
@@ -144,8 +144,12 @@ class Checkpointer:
         pinned: Callable[[list[int]], set[int]] | None = None,
         read_only: bool = False,
         commit_delay: Callable[[int], float] | None = None,
+        remote: str | None = None,
     ):
+        """`remote`: a bucket URL (durable tier): `directory` stages its steps (trainer.ckpt.bucket)."""
         self.cfg, self.tier = cfg, tier
+        self.bucket = bucket.Bucket(remote) if remote else None
+        self._listing: dict[int, bool] = {}  # the bucket's steps (sealed or not), as last listed
         self.directory = Path(directory).absolute()
         local = tier == LOCAL
         # Manifest identity: a local checkpoint is one process's own; a durable one is shared by all.
@@ -189,6 +193,10 @@ class Checkpointer:
         return keep
 
     def steps(self) -> list[int]:
+        """The committed steps (in a bucket: the sealed ones, the only ones a restore may take)."""
+        if self.bucket is not None:
+            self._listing = self.bucket.steps()
+            return [s for s, ok in self._listing.items() if ok]
         return checkpoint_files.committed_steps(self.directory)
 
     def step_dir(self, step: int) -> Path:
@@ -243,8 +251,26 @@ class Checkpointer:
                 manifest.write(
                     self.step_dir(step), process=self.writer, processes=self.writers, durable=self.tier == DURABLE
                 )
+            if self.bucket is not None:
+                self.bucket.upload(self.step_dir(step), self.writer)
+                if self.writer == 0:
+                    self._prune_bucket()
         except BaseException as e:  # reported through `failure`, acted on by the loop
             self.failure = self._describe(step, e)
+
+    def _prune_bucket(self) -> None:
+        """Retention in the bucket (process 0, after its upload): the same policy over the bucket's steps, the
+        newest sealed one always kept; a step that never sealed and is older than it (a torn save) goes;
+        newer ones may still be uploading."""
+        self._listing = self.bucket.steps()
+        sealed = [s for s, ok in self._listing.items() if ok]
+        if not sealed or self._policy is None:
+            return
+        steps = [s for s in self._listing if s <= sealed[-1]]
+        keep = self._policy.should_preserve([_Info(s) for s in steps], context=cm.PreservationContext())
+        for s, kept in zip(steps, keep):
+            if s != sealed[-1] and (not kept or not self._listing[s]):
+                self.bucket.delete(s)
 
     def _join_sealer(self) -> None:
         if self._sealer is not None:
@@ -261,10 +287,11 @@ class Checkpointer:
             "No space left" in str(x) or "Disk quota" in str(x) for x in chain
         )
         what = "the disk is full" if full else "a write failed"
+        where = self.directory if self.bucket is None else f"{self.bucket.loc} (staged in {self.directory})"
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         of = "" if step is None else f" of step {step}"
         return (
-            f"the {self.tier} checkpoint{of} could not be written to {self.directory}: {what} "
+            f"the {self.tier} checkpoint{of} could not be written to {where}: {what} "
             f"({type(e).__name__}: {first}). Earlier checkpoints are untouched; free space or fix the storage, "
             f"then rerun the same command to resume."
         )
@@ -289,12 +316,20 @@ class Checkpointer:
         share = None if self.tier == LOCAL else (jax.process_index(), jax.process_count())
         return manifest.verify(self.step_dir(step), share=share)
 
+    def fetch(self, step: int) -> None:
+        """A bucket's step into the staging directory, this process's share of it (then the group's verify and
+        Orbax's read find it there). A failure raises: the storage's, never a verdict against the step."""
+        if self.bucket is not None:
+            self.bucket.download(step, self.step_dir(step), (jax.process_index(), jax.process_count()))
+
     def move_aside(self, step: int, dest: Path) -> None:
         """Keep a rejected checkpoint for a post-mortem, out of the way, so that the step can be written again."""
         src = self.step_dir(step)
         if src.exists():
             dest.parent.mkdir(parents=True, exist_ok=True)
             os.replace(src, dest)
+        if self.bucket is not None:  # the staged copy kept aside; in the bucket it is deleted, manifests first
+            self.bucket.delete(step)
 
     def reload(self) -> None:
         self.manager.reload()
@@ -310,7 +345,9 @@ class Checkpointer:
         try:
             self.manager.wait_until_finished()
             if self._policy is not None and not self.failure:
-                infos = [_Info(s) for s in self.steps()]
+                if self.bucket is not None and self.writer == 0:
+                    self._prune_bucket()
+                infos = [_Info(s) for s in checkpoint_files.committed_steps(self.directory)]
                 keep = self._policy.should_preserve(infos, context=cm.PreservationContext())
                 for info, kept in zip(infos, keep):
                     if not kept:

@@ -35,13 +35,23 @@ LOCAL_REJECTED = "rejected"  # beside the local tier's process folders: its reje
 
 
 def durable_dir(run_dir: str | Path, configured: str | None = None) -> Path:
-    """The durable tier: checkpoint.durable_dir when set (another file system than the run dir's, e.g. a
-    scratch file system beside a home directory), else RUN_DIR/checkpoints. `configured`: the config's value,
+    """The durable tier's directory: checkpoint.durable_dir when set to a path (another file system than the
+    run dir's, e.g. a scratch file system beside a home directory), else RUN_DIR/checkpoints (with a bucket:
+    its staging directory, `durable_url`). `configured`: the config's value,
     from a caller that holds the config (the worker, before it writes RUN_DIR/config.yaml); None: read from
     RUN_DIR/config.yaml, for those that know only the run dir (the supervisor, status, the runbook)."""
     if configured is None:
         configured = saved_durable_dir(run_dir)
-    return Path(configured).expanduser() if configured else Path(run_dir) / CHECKPOINTS
+    if not configured or "://" in configured:  # a bucket's steps are staged in RUN_DIR/checkpoints
+        return Path(run_dir) / CHECKPOINTS
+    return Path(configured).expanduser()
+
+
+def durable_url(run_dir: str | Path, configured: str | None = None) -> str | None:
+    """checkpoint.durable_dir when it is a bucket (s3://, gs://: trainer.ckpt.bucket), else None."""
+    if configured is None:
+        configured = saved_durable_dir(run_dir)
+    return configured if "://" in (configured or "") else None
 
 
 def saved_durable_dir(run_dir: str | Path) -> str:

@@ -11,6 +11,7 @@ never leaves another waiting in a barrier.
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from collections.abc import Callable
@@ -19,10 +20,10 @@ from typing import Any
 
 import jax
 
-from trainer.ckpt import buddy, manifest
+from trainer.ckpt import bucket, buddy, manifest
 from trainer.ckpt import files as checkpoint_files
 from trainer.ckpt.checkpoint import Checkpointer, Restored, SaveFailed, agreed
-from trainer.ckpt.files import BUDDY, DURABLE, LOCAL, STATE, Meta
+from trainer.ckpt.files import BUDDY, DURABLE, LOCAL, META, META_FILE, STATE, Meta
 from trainer.config import CheckpointConfig
 from trainer.observe.event_names import CHECKPOINT_FAILED, CHECKPOINT_REJECTED
 from trainer.parallel.distributed import allgather_json
@@ -33,7 +34,10 @@ def saved_meta(run_dir: Path, cfg: CheckpointConfig) -> Meta | None:
     checked against before anything is written, and what the restore of that step uses (`Tiers(saved=)`).
     A torn one is skipped here; the restore rejects it. Read as this process alone: processes may find their
     newest metadata in different tiers (a replaced node has no local one)."""
-    dirs = [checkpoint_files.durable_dir(run_dir, cfg.durable_dir)]
+    durable = checkpoint_files.durable_dir(run_dir, cfg.durable_dir)
+    if url := checkpoint_files.durable_url(run_dir, cfg.durable_dir):
+        return _bucket_meta(url, durable)
+    dirs = [durable]
     if cfg.local_dir:
         dirs.append(checkpoint_files.local_dir(cfg.local_dir, run_dir, jax.process_index(), buddy.node_name()))
     found = [(s, d) for d in dirs for s in checkpoint_files.committed_steps(d)]
@@ -41,6 +45,17 @@ def saved_meta(run_dir: Path, cfg: CheckpointConfig) -> Meta | None:
         try:
             return checkpoint_files.read_meta(d / str(step))
         except Exception:  # torn or corrupt: an older one answers the same question
+            continue
+    return None
+
+
+def _bucket_meta(url: str, staging: Path) -> Meta | None:
+    """saved_meta for a bucket (no local tier beside it is read here: the bucket is the run's record)."""
+    b = bucket.Bucket(url)
+    for step in sorted((s for s, ok in b.steps().items() if ok), reverse=True):
+        try:
+            return Meta(staging / str(step), json.loads(b.read(f"{step}/{META}/{META_FILE}")))
+        except Exception:  # torn or corrupt (the restore rejects it): the one before answers
             continue
     return None
 
@@ -63,7 +78,11 @@ class Tiers:
         self.cfg, self.log = cfg, log
         self.run_dir = Path(run_dir)
         self.durable = Checkpointer(
-            checkpoint_files.durable_dir(self.run_dir, cfg.durable_dir), cfg, pinned=pinned, commit_delay=commit_delay
+            checkpoint_files.durable_dir(self.run_dir, cfg.durable_dir),
+            cfg,
+            pinned=pinned,
+            commit_delay=commit_delay,
+            remote=checkpoint_files.durable_url(self.run_dir, cfg.durable_dir),
         )
         self.local: Checkpointer | None = None
         self.pairing: buddy.Pairing | None = None  # who holds whose local copy; None: no copies (one node)
@@ -167,6 +186,7 @@ class Tiers:
             if tier == LOCAL:
                 restored, problem = self._restore_local(step, plan, abstract_state)
             else:
+                self._fetch(step)
                 check = lambda step=step: self.durable.verify(step) if self.cfg.verify else None  # noqa: E731
                 problem = agreed(check)
                 restored = None
@@ -177,6 +197,21 @@ class Tiers:
             self.log(CHECKPOINT_REJECTED, step=step, tier=tier, **problem)
             self._move_aside(tier, step, problem)
         return None
+
+    def _fetch(self, step: int) -> None:
+        """A bucket's step into the staging directory, every process its share, then Orbax's listing re-read. A
+        bucket that does not answer (after retries) is a storage failure: SaveFailed, never a verdict against
+        the step (which would delete it)."""
+        if self.durable.bucket is None:
+            return
+        failed = agreed(lambda: _unreadable(lambda: self.durable.fetch(step)))
+        if failed is not None:
+            self.durable.failure = (
+                f"the durable checkpoint of step {step} could not be read from {self.durable.bucket.loc}: "
+                f"{failed['reason']}. Nothing was deleted; fix the storage, then rerun the same command to resume."
+            )
+            raise SaveFailed(self.durable.failure)
+        self.durable.reload()
 
     def _newest(self, layout: dict) -> tuple[int, str, dict] | None:
         """(step, tier, plan): plan[target process] = where its shards come from, for a local step."""

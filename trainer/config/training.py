@@ -150,7 +150,8 @@ class CheckpointConfig(Section):
     keep_every: NonNegative[int] = 0  # also keep every Nth step forever (0 = off)
     async_save: bool = True
     verify: bool = True  # content manifests (sha256 per file) written after each save and checked before a restore
-    # the durable tier's directory, on any shared file system; "" = RUN_DIR/checkpoints
+    # the durable tier: a directory on any shared file system ("" = RUN_DIR/checkpoints), or a bucket,
+    # s3://BUCKET/PREFIX or gs://BUCKET/PREFIX (staged through RUN_DIR/checkpoints: trainer.ckpt.bucket)
     durable_dir: str = ""
     local_dir: str = ""  # node-local directory (RAM disk, local NVMe) for the fast tier; "" = no local tier
     local_every_steps: NonNegative[int] = 0  # local-tier saves every N steps (0 = none by steps)
@@ -169,11 +170,18 @@ class CheckpointConfig(Section):
             raise ConfigError(f"{where}.every_minutes must be >= 0 or 'auto', got {m!r}")
         self.every_minutes = m
         if "://" in self.durable_dir:
-            raise ConfigError(
-                f"{where}.durable_dir={self.durable_dir!r}: object storage URLs are not supported yet; "
-                f"pass a directory on a shared file system"
-            )
-        if self.durable_dir and not os.path.isabs(os.path.expanduser(self.durable_dir)):
+            scheme, _, rest = self.durable_dir.partition("://")  # parsed for use by trainer.ckpt.bucket
+            if scheme not in ("s3", "gs") or not rest.split("/")[0]:
+                raise ConfigError(
+                    f"{where}.durable_dir={self.durable_dir!r}: only s3:// and gs:// buckets are supported, as "
+                    f"s3://BUCKET/PREFIX or gs://BUCKET/PREFIX"
+                )
+            if not self.verify:
+                raise ConfigError(
+                    f"{where}.verify=false with durable_dir={self.durable_dir!r}: in a bucket the content manifests "
+                    f"are the commit markers; set verify=true"
+                )
+        elif self.durable_dir and not os.path.isabs(os.path.expanduser(self.durable_dir)):
             raise ConfigError(f"{where}.durable_dir must be an absolute path, got {self.durable_dir!r}")
         if bool(self.local_dir) != bool(self.local_every_steps or self.local_every_minutes):
             raise ConfigError(f"set {where}.local_dir and local_every_steps/_minutes together, or neither")

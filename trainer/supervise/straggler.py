@@ -48,11 +48,14 @@ class Verdict:
     process: int
     node: str
     section: str  # one of SECTIONS: where its excess time goes
-    slowdown: float  # the group's step time over its last calm windows' (or, with none, over step - excess)
-    excess_s: float  # seconds per step of its own work beyond its peers' median
+    slowdown: float  # the group's mean step over the windows behind the verdict, over calm_s
+    excess_s: float  # seconds per step of its own work beyond its peers' median (the latest window)
     steps: int  # clean steps measured in the windows behind the verdict
     lost_s: float  # group seconds lost to it so far: (step - calm step) x steps
     detail: str = ""
+    calm_s: float = 0.0  # the group's step before it: its last calm windows' (with none, step - excess)
+    first_step: int = 0  # the windows behind the verdict: training steps first_step..last_step
+    last_step: int = 0
 
 
 @dataclass
@@ -65,6 +68,8 @@ class _Window:
     own: list[float]  # a process's own time per step: all but waiting on the others
     sections: dict[str, list[float]]  # the own time split: data, dispatch, host (the rest)
     steps: int
+    first: int = 0  # the training steps it spans (process 0's marks: every process marks the same steps)
+    last: int = 0
 
 
 @dataclass
@@ -73,12 +78,13 @@ class StragglerWatch:
     processes: int
     launch: str = ""
     _base: list[dict] = field(default_factory=list)  # every process's counters at the last judged mark
-    _streak: dict = field(default_factory=dict)  # process -> (consecutive candidate windows, lost s, steps)
+    _streak: dict = field(default_factory=dict)  # process -> (its consecutive candidate windows, their sum)
     open: Verdict | None = None  # the verdict standing now
     _calm: int = 0  # consecutive windows without the open verdict's process as a candidate
     lost_s: float = 0.0  # lost to the open verdict's process since it was declared
     calm: list[float] = field(default_factory=list)  # the group's step time in the latest calm windows
     _slower: int = 0  # consecutive windows without a candidate but slower than the calm by the factor
+    _mark_step: int = -1  # the training step of the last judged mark
 
     def observe(self, heartbeats: list[dict | None], launch: str) -> list[tuple[str, Verdict]]:
         """Feed the latest heartbeats of attempt `launch`; returns what changed: ("straggler", verdict) when
@@ -89,6 +95,7 @@ class StragglerWatch:
             launch != self.launch or not self._base
         ):  # a new attempt: its counters start over (the standing verdict is ended by end())
             self.launch, self._base, self._streak = launch, [dict.fromkeys(_KEYS, 0.0)] * self.processes, {}
+            self._mark_step = -1
         marks = [(hb or {}).get("timing") for hb in heartbeats]
         if len(marks) != self.processes or not all(isinstance(m, list) for m in marks):
             return []
@@ -99,6 +106,8 @@ class StragglerWatch:
             if n > self._base[0]["n"]:  # a window missed (4 behind) is merged into the next: means, not sums
                 now = [{k: float(b[n].get(k, 0.0)) for k in _KEYS} for b in by_n]
                 window, self._base = _window(now, self._base), now
+                window.first, window.last = self._mark_step + 1, int(by_n[0][n].get("step", 0))
+                self._mark_step = window.last
                 out += self._judge(window, nodes)
         return out
 
@@ -113,8 +122,8 @@ class StragglerWatch:
             if p not in found:
                 del self._streak[p]
         for p, v in found.items():
-            n, lost, steps = self._streak.get(p, (0, 0.0, 0))
-            self._streak[p] = (n + 1, lost + v.lost_s, steps + v.steps)
+            n, total = self._streak.get(p, (0, None))
+            self._streak[p] = (n + 1, _add(total, v))
         if self.open is not None:
             if self.open.process in found:
                 self._calm = 0
@@ -125,12 +134,10 @@ class StragglerWatch:
                     out.append((CLEARED, self._close()))
         if self.open is None and found:
             p = max(found, key=lambda q: found[q].slowdown)
-            n, lost, steps = self._streak[p]
+            n, total = self._streak[p]
             if n >= self.cfg.windows:
-                v = found[p]
-                v.lost_s, v.steps = lost, steps
-                self.open, self._calm, self.lost_s = v, 0, 0.0
-                out.append((DECLARED, v))
+                self.open, self._calm, self.lost_s = _over(total, found[p]), 0, 0.0
+                out.append((DECLARED, self.open))
         return out
 
     def _admit_calm(self, step: float) -> None:
@@ -166,8 +173,10 @@ class StragglerWatch:
 
         section = max(SECTIONS, key=section_excess)
         detail = ", ".join(f"{s} {section_excess(s) * 1e3:+.1f} ms" for s in SECTIONS)
-        detail += f"; step {step * 1e3:.0f} ms, {'calm' if self.calm else 'without its excess'} {calm * 1e3:.0f} ms"
-        return Verdict(p, node, section, slowdown, excess, w.steps, (step - calm) * w.steps, detail)
+        detail += f"; {'calm' if self.calm else 'without its excess'}"
+        return Verdict(
+            p, node, section, slowdown, excess, w.steps, (step - calm) * w.steps, detail, calm, w.first, w.last
+        )
 
     def _close(self) -> Verdict:
         v, self.open, self._calm = self.open, None, 0
@@ -178,6 +187,36 @@ class StragglerWatch:
         """The attempt ended (or its straggler is being drained): the standing verdict, with the seconds lost
         since it was declared, to close in the ledger."""
         return self._close() if self.open is not None else None
+
+
+def _add(total: Verdict | None, v: Verdict) -> Verdict:
+    """Sums over a process's consecutive candidate windows: steps, lost seconds, calm seconds (calm_s x steps),
+    and the first step."""
+    if total is None:
+        return Verdict(v.process, v.node, "", 0.0, 0.0, v.steps, v.lost_s, "", v.calm_s * v.steps, v.first_step)
+    total.steps, total.lost_s, total.calm_s = (
+        total.steps + v.steps,
+        total.lost_s + v.lost_s,
+        total.calm_s + v.calm_s * v.steps,
+    )
+    return total
+
+
+def _over(total: Verdict, v: Verdict) -> Verdict:
+    """The verdict over all its windows: the latest window's section and excess, the group's mean step over
+    every window against its calm. One window's mean moves with a single stall of a loaded host: 10 steps
+    beside the test suite once read 7.3x where the run's slowed steps showed 3.9x."""
+    calm = total.calm_s / total.steps
+    step = calm + total.lost_s / total.steps
+    v.slowdown, v.calm_s, v.steps, v.lost_s, v.first_step = (
+        step / calm,
+        calm,
+        total.steps,
+        total.lost_s,
+        total.first_step,
+    )
+    v.detail += f" {calm * 1e3:.0f} ms, step {step * 1e3:.0f} ms"
+    return v
 
 
 def _window(now: list[dict], base: list[dict]) -> _Window:
@@ -196,7 +235,7 @@ def describe(v: Verdict) -> str:
     return (
         f"process {v.process}{where} slows every step {v.slowdown:.2f}x: the group waits for it, "
         f"{v.excess_s * 1e3:.0f} ms a step of its own work beyond its peers' median, most in {v.section} "
-        f"({v.detail}), over {v.steps} clean steps"
+        f"({v.detail}), over {v.steps} clean steps of steps {v.first_step}-{v.last_step}"
     )
 
 

@@ -164,10 +164,13 @@ def _restore_or_init(w: Worker):
     # read, and what a restore-phase fault compares with (one at step S fires in a restore of S or later).
     _enter(w, "restore", _newest_durable(w))
     t0, w.marks["restoring"] = time.perf_counter(), time.time()
-    restored = w.ckpt.restore_newest(
-        w.spec.abstract,
-        layout={"processes": jax.process_count(), "mesh": dict(zip(mesh_lib.AXES, w.mesh.devices.shape))},
-    )
+    try:
+        restored = w.ckpt.restore_newest(
+            w.spec.abstract,
+            layout={"processes": jax.process_count(), "mesh": dict(zip(mesh_lib.AXES, w.mesh.devices.shape))},
+        )
+    except checkpoint.SaveFailed:  # a bucket that did not answer: a storage failure, the supervisor retries
+        endings.storage_exit(w, _newest_durable(w))
     w.marks["restored"] = time.time()
     if restored is None:
         st = w.spec.init()

@@ -131,5 +131,5 @@ class StepLog:
             t["dispatch_s"] += now[1]
             t["sync"] += self.sync
             if t["n"] % self.window == 0:
-                self.marks.append(dict(t))
+                self.marks.append(dict(t, step=step))
                 del self.marks[:-MARKS]
