@@ -196,6 +196,34 @@ def reference_run(tmp_path_factory):
     return get
 
 
+def _storage_server(kind: str):
+    """A real storage server on loopback (tests/buckets.py) with the bucket `ckpt`, and its endpoint and
+    credentials in this process's environment while the module runs (for the test's own TensorStore client,
+    which reads them at each request); pass `server.env` to the trainer's processes."""
+    import buckets
+
+    server = buckets.S3Server() if kind == "s3" else buckets.GCSServer()
+    server.start()
+    server.make_bucket(buckets.BUCKET)
+    with pytest.MonkeyPatch.context() as env:
+        for k, v in server.env.items():
+            env.setenv(k, v)
+        yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """moto's S3 server (tests/buckets.py)."""
+    yield from _storage_server("s3")
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    """gcp-storage-emulator, a GCS server (tests/buckets.py)."""
+    yield from _storage_server("gs")
+
+
 CPU_LOG = os.environ.get("TRAINER_TESTS_CPU_LOG", "")
 
 
@@ -241,6 +269,7 @@ HEAVY_FIRST = (
     "test_sharding",
     "test_eval",
     "test_straggler",
+    "test_bucket",
     "test_checkpoint",
     "test_layers",
 )

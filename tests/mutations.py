@@ -1765,14 +1765,24 @@ MUTATIONS = [
         (
             (
                 "trainer/ckpt/tiers.py",
-                "        if self.durable.bucket is None:\n            return\n",
-                "        return\n",
+                "_unreadable(lambda: self.durable.fetch(step))",
+                "_unreadable(lambda: None)",
             ),
         ),
         (
-            "tests/test_bucket.py::test_a_run_whose_durable_tier_is_a_bucket_resumes_from_it_bitwise_and_falls_back_past_a_flipped_byte",
+            "tests/test_bucket.py::test_a_run_whose_durable_tier_is_a_bucket_resumes_from_it_bitwise_and_falls_back_past_a_flipped_byte[s3]",
         ),
         catch="assert rejected == [(13,",
+    ),
+    M(
+        "bucket_unsealed_staging_kept",
+        "a staged step the bucket never sealed (its upload cut short) stays in the staging directory: the resumed "
+        "run cannot save that step again (Orbax: the step exists) and crash-loops",
+        (("trainer/ckpt/tiers.py", "            self._drop_unsealed_staging()\n", ""),),
+        (
+            "tests/test_bucket.py::test_an_endpoint_gone_during_a_save_is_waited_for_and_no_committed_checkpoint_is_lost",
+        ),
+        catch="assert proc.returncode == 0",
     ),
     M(
         "bucket_never_pruned",
@@ -1785,7 +1795,7 @@ MUTATIONS = [
             ),
         ),
         (
-            "tests/test_bucket.py::test_a_run_whose_durable_tier_is_a_bucket_resumes_from_it_bitwise_and_falls_back_past_a_flipped_byte",
+            "tests/test_bucket.py::test_a_run_whose_durable_tier_is_a_bucket_resumes_from_it_bitwise_and_falls_back_past_a_flipped_byte[s3]",
         ),
         catch="assert final == sorted(",
     ),

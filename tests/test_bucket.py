@@ -1,90 +1,30 @@
 """The durable tier in an S3 bucket (checkpoint.durable_dir=s3://...), against a real S3 server on loopback:
-moto's server mode, started here. Orbax stages each step in RUN_DIR/checkpoints, the sealing thread uploads
-it (manifests last), a restore downloads and verifies it (trainer.ckpt.bucket)."""
+moto's server mode (tests/buckets.py, the `s3` fixture). Orbax stages each step in RUN_DIR/checkpoints, the
+sealing thread uploads it (manifests last), a restore downloads and verifies it (trainer.ckpt.bucket)."""
 
 from __future__ import annotations
 
+import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
+from buckets import BUCKET, Relay
 from conftest import ROOT, child_env, events, run_trainer, step_losses, summary, trainer_cmd
 from multihost import audit
 
-BUCKET = "ckpt"
 
-
-class S3Server:
-    """`python -m moto.server` on a free loopback port: a real HTTP S3 endpoint (not a mock of any client)."""
-
-    def __init__(self):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {
-            "AWS_ACCESS_KEY_ID": "test",
-            "AWS_SECRET_ACCESS_KEY": "test",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_ENDPOINT_URL": self.url,
-        }
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(self.url, timeout=2).read()
-                return
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(f"moto's S3 server did not answer on {self.url}") from None
-                time.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-    def make_bucket(self, name: str) -> None:
-        urllib.request.urlopen(urllib.request.Request(f"{self.url}/{name}", method="PUT")).read()
-
-    def kv(self, prefix: str):
-        """A TensorStore client of the bucket (the test's own, to look at and damage objects)."""
-        import tensorstore as ts
-
-        from trainer.ckpt import bucket
-
-        return ts.KvStore.open(bucket.spec(bucket.parse(f"s3://{BUCKET}/{prefix}"))).result()
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """The server, and its endpoint and credentials in this process's environment while the module runs (for
-    the test's own client: TensorStore reads them at each request)."""
-    server = S3Server()
-    server.start()
-    server.make_bucket(BUCKET)
-    with pytest.MonkeyPatch.context() as env:
-        for k, v in server.env.items():
-            env.setenv(k, v)
-        yield server
-    server.stop()
+@pytest.fixture(params=["s3", "gs"])
+def store(request):
+    """Each bucket kind against its local server: moto's S3, gcp-storage-emulator's GCS."""
+    return request.getfixturevalue("s3" if request.param == "s3" else "gcs")
 
 
 @pytest.mark.slow
 def test_a_run_whose_durable_tier_is_a_bucket_resumes_from_it_bitwise_and_falls_back_past_a_flipped_byte(
-    tmp_path, reference_run, s3
+    tmp_path, reference_run, store
 ):
     """Stopped at 13: steps 10 and 13 are objects under the prefix, manifests included. The staging copies are
     deleted (a new node has none) and one byte of an object of 13 flipped in the bucket: the resume, SIGKILLed
@@ -93,10 +33,11 @@ def test_a_run_whose_durable_tier_is_a_bucket_resumes_from_it_bitwise_and_falls_
     ref = reference_run()
     run = tmp_path / "run"
     # keep_latest=2 and no runbook (its last-known-good pin would keep 10): retention has something to delete
-    where = (f"checkpoint.durable_dir=s3://{BUCKET}/runs/a", "checkpoint.keep_latest=2", "runbook.enabled=false")
+    where = (f"checkpoint.durable_dir={store.scheme}://{BUCKET}/runs/a", "checkpoint.keep_latest=2")
+    where += ("runbook.enabled=false",)
     where += ("data.audit=true",)
-    run_trainer(run, *where, "train.stop_at_step=13", worker=True, env=s3.env)
-    kv = s3.kv("runs/a/")
+    run_trainer(run, *where, "train.stop_at_step=13", worker=True, env=store.env)
+    kv = store.kv("runs/a/")
     keys = [k.decode() for k in kv.list().result()]
     assert {k.split("/")[0] for k in keys} == {"10", "13"}, keys
     assert "13/integrity/process_0.json" in keys and any(k.startswith("13/state/") for k in keys), keys
@@ -108,7 +49,7 @@ def test_a_run_whose_durable_tier_is_a_bucket_resumes_from_it_bitwise_and_falls_
     kv.write(victim, bytes(raw)).result()
 
     kill = "faults=[{kind: signal, signal: SIGKILL, step: 17}]"
-    run_trainer(run, *where, kill, env=s3.env)
+    run_trainer(run, *where, kill, env=store.env)
     evs = events(run)
     rejected = [(e["step"], e["tier"], e["file"]) for e in evs if e["event"] == "checkpoint_rejected"]
     assert rejected == [(13, "durable", victim.split("/", 1)[1])], rejected
@@ -122,6 +63,75 @@ def test_a_run_whose_durable_tier_is_a_bucket_resumes_from_it_bitwise_and_falls_
     # retention (keep_latest=2) in the bucket as in the staging directory
     final = sorted({int(k.decode().split("/")[0]) for k in kv.list().result()})
     assert final == sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [20, 30]
+    # export reads the bucket's newest step (downloaded: no staged copy left)
+    shutil.rmtree(run / "checkpoints")
+    exported = subprocess.run(
+        [sys.executable, "-m", "trainer", "export", str(run), "--out", str(tmp_path / "hf")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**child_env(), **store.env},
+    )
+    assert exported.returncode == 0 and "/checkpoints/30 (verified" in exported.stdout + exported.stderr, exported
+
+
+@pytest.mark.slow
+def test_an_endpoint_gone_during_a_save_is_waited_for_and_no_committed_checkpoint_is_lost(tmp_path, reference_run, s3):
+    """The endpoint goes away while step 20 commits (its storage 3 s slow: fault slow_save): the upload fails
+    after checkpoint.bucket_patience_s, the worker exits as a storage failure (81), the supervisor alerts and
+    waits for the bucket, restarts once it answers, resumes from 10 (20 never sealed there) and ends with the
+    uninterrupted run's params; every checkpoint the bucket holds at the end verifies."""
+    ref = reference_run()
+    relay = Relay(s3.port)
+    relay.up()
+    run = tmp_path / "run"
+    over = (
+        f"checkpoint.durable_dir=s3://{BUCKET}/runs/b",
+        "checkpoint.bucket_patience_s=1",
+        "faults=[{kind: slow_save, step: 20, seconds: 3}]",
+    )
+    env = {**child_env(), **s3.env, "AWS_ENDPOINT_URL": relay.url}
+    proc = subprocess.Popen(trainer_cmd(run, *over), cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        until(lambda: any(e["event"] == "checkpoint_saved" and e["step"] == 20 for e in events(run)))
+        relay.down()  # before the commit (3 s late) and so before the upload
+        until(lambda: any(e["event"] == "alert" and e["kind"] == "bucket_down" for e in events(run)))
+        relay.up()
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        relay.down()
+    assert proc.returncode == 0, err[-3000:]
+    evs = events(run)
+    [failed] = [e for e in evs if e["event"] == "checkpoint_failed"]
+    assert failed["step"] >= 20 and "s3://ckpt/runs/b/" in failed["message"], failed
+    assert [e["exit_code"] for e in evs if e["event"] == "worker_exit"] == [81, 0]
+    assert [e["kind"] for e in evs if e["event"] == "alert_cleared"] == ["bucket_down"]
+    assert [e["step"] for e in evs if e["event"] == "restore"] == [10]
+    assert summary(run)["params_sha256"] == summary(ref)["params_sha256"]
+    listed = subprocess.run(
+        [sys.executable, "-m", "trainer", "checkpoints", str(run), "--verify", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**child_env(), **s3.env},  # the server itself: the relay is down by now
+    )
+    found = [(e["step"], e["verified"]) for e in json.loads(listed.stdout)]
+    assert listed.returncode == 0 and found == [(30, True), (20, True), (10, True)], listed.stdout + listed.stderr
+
+
+def until(done, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if done():
+                return
+        except FileNotFoundError:  # no events.jsonl yet
+            pass
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
 
 
 def test_a_missing_bucket_is_one_line_exit_2_and_nothing_written(tmp_path, s3):

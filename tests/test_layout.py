@@ -19,7 +19,7 @@ import trainer
 BLOCKED = ("jax", "jaxlib", "flax", "optax", "orbax", "grain", "tensorstore")
 JAX_FREE_PACKAGES = ("config", "supervise", "observe", "survival", "corpus", "drill", "faults")
 # jax-free modules inside a jax-side package: the checkpoint files as the supervisor, status and audit read them
-JAX_FREE_MODULES = ("trainer.ckpt", "trainer.ckpt.files", "trainer.ckpt.manifest")
+JAX_FREE_MODULES = ("trainer.ckpt", "trainer.ckpt.files", "trainer.ckpt.manifest", "trainer.ckpt.bucket")
 # Importing a blocked package raises at once, wherever the import statement sits (a lazy one too).
 BLOCKER = f"""
 import importlib.abc, sys
@@ -115,6 +115,7 @@ RANK = {
     "config": 1,  # imports yamltree and nothing else of the project
     "observe.rundir": 1.2,  # the run dir's names and its atomic writes, under everything that writes there
     "ckpt.manifest": 1.4,  # checkpoints' content manifests: jax-free, read by observe
+    "ckpt.bucket": 1.45,  # the durable tier in a bucket (TensorStore, imported only when one is configured)
     "ckpt.files": 1.5,  # checkpoints as files (where each tier lives, which steps are committed): jax-free
     "observe": 2,  # the run dir's files, their writers and readers
     "xla_env": 2.5,  # every XLA flag and GPU variable the trainer sets (observe's env_vars names them): jax-free

@@ -22,6 +22,7 @@ import sys
 import time
 
 import pytest
+from buckets import BUCKET
 from conftest import ROOT, events, step_losses, summary
 from multihost import at_step, audit, job_args, node_of, reference, sbatch_trainer
 from slurm_cluster import job_info, local_slurm, node_states, wait_job
@@ -35,7 +36,7 @@ CLUSTER = dict(cpus=2, cred_expire=5, slurmd_timeout=SLURMD_TIMEOUT, message_tim
 NODE_LOCAL = "/local_scratch"
 
 
-def test_two_nodes_lost_in_turn_heal_from_the_peer_copy_then_from_durable(tmp_path, tmp_path_factory):
+def test_two_nodes_lost_in_turn_heal_from_the_peer_copy_then_from_durable(tmp_path, tmp_path_factory, s3):
     """Five nodes, a job of three (two train, one spare). Both losses are the `node` fault: every process of
     the job on that node, its slurmstepds and its slurmd killed at once, its node-local tier deleted.
 
@@ -46,7 +47,11 @@ def test_two_nodes_lost_in_turn_heal_from_the_peer_copy_then_from_durable(tmp_pa
     on the spare (trainer.supervise.guard) sees its lease stop and requeues the job. No complete copy of any
     fast step is left (the spare holds none yet): the requeued job starts on nodes it never used and
     restores the newest complete checkpoint in either tier, durable step 10. The run ends with the bytes of an
-    undisturbed 2-process run."""
+    undisturbed 2-process run.
+
+    The durable tier is an S3 bucket (moto's server on loopback: tests/buckets.py), as on a cluster without a
+    shared file system big enough for checkpoints: each process uploads its own shards, and durable 10 comes
+    back from the bucket, each process downloading its share."""
     _require_slurm()
     ref_run, corpus = reference(tmp_path_factory)
     run, out = tmp_path / "run", tmp_path / "job.out"
@@ -67,9 +72,10 @@ def test_two_nodes_lost_in_turn_heal_from_the_peer_copy_then_from_durable(tmp_pa
             "launch.processes_per_node=1",
             f"checkpoint.local_dir={local}",
             "checkpoint.local_every_steps=6",  # local 6, 12, 18, 24; durable 10, 20, 30 (MICRO)
+            f"checkpoint.durable_dir=s3://{BUCKET}/node-loss",
             f"faults=[{', '.join(faults)}]",
         )
-        job, _ = sbatch_trainer(env, nodes=3, per_node=1, out=out, args=args)
+        job, _ = sbatch_trainer({**env, **s3.env}, nodes=3, per_node=1, out=out, args=args)
         # SLURM requeues the job when its batch host is lost (it passes through NODE_FAIL on the way)
         state = wait_job(job, env, timeout=300, passing=frozenset({"NODE_FAIL"}))
         log = out.read_text()
@@ -128,6 +134,12 @@ def test_two_nodes_lost_in_turn_heal_from_the_peer_copy_then_from_durable(tmp_pa
     assert not set(starts[2]["nodes"]) & {*lost, survivor}, starts[2]
     # No fast step can be assembled (its copies died with the two nodes): durable 10, never a partial step.
     assert (restored[1]["tier"], restored[1]["step"]) == ("durable", 10), restored[1]
+    # ... from the bucket, where both processes' shards and manifests of every durable step are
+    kv = s3.kv("node-loss/")
+    keys = [k.decode() for k in kv.list().result()]
+    assert {k.split("/")[0] for k in keys} == {"10", "20", "30"}, keys
+    for process in (0, 1):
+        assert f"30/integrity/process_{process}.json" in keys and f"30/state/ocdbt.process_{process}" in str(keys)
 
     assert summary(run)["params_sha256"] == summary(ref_run)["params_sha256"]
     losses, ref_losses = step_losses(run), step_losses(ref_run)

@@ -67,6 +67,7 @@ def test_a_host_bound_process_is_named_after_two_windows_with_its_section_and_sl
     # the group steps at 152 ms against 102 ms when calm, 50 ms lost a step over 40 steps
     assert abs(v.slowdown - 0.152 / 0.102) < 1e-9 and v.steps == 40 and abs(v.lost_s - 40 * 0.05) < 1e-9
     assert abs(v.excess_s - 0.14) < 1e-9 and (v.first_step, v.last_step) == (41, 80)
+    assert v.calm_windows == [[1, 20], [21, 40]]  # what calm_s is from
 
 
 def test_the_slowdown_is_the_mean_over_every_window_behind_the_verdict():
@@ -278,18 +279,19 @@ def test_a_slowed_process_is_named_then_cleared_and_an_ecc_rise_on_it_checkpoint
     steps = {e["step"]: e["step_s"] for e in evs if e["event"] == "step"}
     assert (verdict["process"], verdict["node"], verdict["section"]) == (1, "host1", "host"), verdict
     assert SLOW_FROM < verdict["step"] <= SLOW_FROM + K, (verdict["step"], K)
-    # the verdict's slowdown is the one the run shows over the steps it names, against the calm steps before
+    # the verdict's slowdown is the one the run shows over the steps it names, against the calm windows it names
     # (means, as the verdict's windows are: under the suite's load medians and means of these steps differ)
     first, last = verdict["first_step"], verdict["last_step"]
     assert SLOW_FROM - WINDOW < first and last - first + 1 >= WINDOWS * WINDOW and last < verdict["step"], verdict
-    before = statistics.mean(steps[s] for s in range(GRACE + 3, SLOW_FROM))
+    assert verdict["calm_windows"] and all(b < SLOW_FROM for _, b in verdict["calm_windows"]), verdict
+    before = statistics.median(statistics.mean(steps[s] for s in range(a, b + 1)) for a, b in verdict["calm_windows"])
     during = statistics.mean(steps[s] for s in range(first, last + 1))
     ratio = verdict["slowdown"] / (during / before)
     print(f"verdict at step {verdict['step']}, {verdict['slowdown']:.2f}x against the run's {during / before:.2f}x")
-    # Alone the verdict is within 1% of the run's slowdown (10 runs); beside the suite 0.94-1.18 in 10 runs and
-    # once 1.38 (2.99x against 2.16x: load on the steps before inflated their mean), and once 1.87 when the
-    # verdict read its last window alone and the test all slowed steps. A verdict measured against a calm
-    # re-based on slowed windows read 0.42 once (1.47x against 3.46x, before the rule kept onset windows out).
+    # Alone the verdict is within 1% of the run's slowdown (10 runs); beside the suite within 6% (19 of 20 runs).
+    # Compared with other steps than the verdict's it read 1.87x the run's once (its last window alone against
+    # all slowed steps) and 1.75x once (its calm, 215 ms, one quiet window; the suite's load made steps 14-24
+    # 300-700 ms, so the next window was not admitted as calm, while the test's mean of steps 6-24 took them in).
     assert StragglerConfig().factor <= verdict["slowdown"] and 0.7 <= ratio <= 1.5, (verdict, during / before)
     # cleared once the slowdown is over: after a whole calm window, within K steps of its end
     [cleared] = [e for e in evs if e["event"] == "straggler_cleared"]

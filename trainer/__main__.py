@@ -11,6 +11,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 from trainer import xla_env
 from trainer.config import Config, ConfigError, load_config
@@ -156,6 +157,13 @@ def main(argv: list[str]) -> int:
             from trainer.ckpt import bucket
 
             if why := bucket.Bucket(cfg.checkpoint.durable_dir).check():
+                if (
+                    args.worker and (Path(cfg.run.dir) / rundir.CONFIG).is_file()
+                ):  # a restart: the bucket was there; wait for it
+                    from trainer.supervise import exit_codes
+
+                    print(f"worker: {why}", file=sys.stderr)
+                    return exit_codes.STORAGE
                 raise ConfigError(why)
         if args.worker or not cfg.run.supervise:
             return run_worker(cfg)

@@ -19,6 +19,7 @@ probes a cloud metadata server, and never written to a log or an event.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -57,17 +58,32 @@ def parse(url: str) -> Location:
     return Location(scheme, bucket, prefix + "/" if prefix else "")
 
 
-def spec(loc: Location) -> dict:
+PATIENCE_S = 120.0  # checkpoint.bucket_patience_s's default
+
+
+def retries(patience_s: float) -> dict:
+    """TensorStore's request retries (its s3/gcs drivers retry failed requests, HTTP 503 SlowDown included,
+    with exponential backoff) for an outage of about `patience_s`: waits of 1, 2, 4, 8, then 16 s; 0: one try."""
+    waits, n = 0.0, 0
+    while waits < patience_s:
+        waits, n = waits + min(2.0**n, 16.0), n + 1
+    return {"max_retries": max(n, 1), "initial_delay": "1s", "max_delay": "16s"}
+
+
+def spec(loc: Location, patience_s: float = PATIENCE_S) -> dict:
     """The TensorStore kvstore spec, with region and credentials set from the environment (S3: a missing
-    region would make TensorStore ask the bucket, credentials left to "default" would probe EC2's metadata)."""
+    region would make TensorStore ask the bucket, credentials left to "default" would probe EC2's metadata),
+    and retries for an outage of `patience_s` (TensorStore's default is 32 retries: ~15 minutes)."""
     if loc.scheme == "gs":
-        return {"driver": "gcs", "bucket": loc.bucket, "path": loc.prefix}
+        context = {"gcs_request_retries": retries(patience_s)}
+        return {"driver": "gcs", "bucket": loc.bucket, "path": loc.prefix, "context": context}
     out = {
         "driver": "s3",
         "bucket": loc.bucket,
         "path": loc.prefix,
         "aws_region": os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
         "aws_credentials": {"type": "environment"},
+        "context": {"s3_request_retries": retries(patience_s)},
     }
     if os.environ.get("AWS_ENDPOINT_URL"):
         out["endpoint"] = os.environ["AWS_ENDPOINT_URL"]
@@ -83,16 +99,16 @@ def _range(prefix: str):
 class Bucket:
     """One run's durable prefix. Keys mirror the staging directory: STEP/REL for each file of a step."""
 
-    def __init__(self, url: str):
-        self.loc = parse(url)
-        self._kv = None
+    def __init__(self, url: str, patience_s: float = PATIENCE_S):
+        self.loc, self.patience_s = parse(url), patience_s
+        self._kv, self._probe = None, None
 
     @property
     def kv(self):
         if self._kv is None:
             import tensorstore as ts
 
-            self._kv = ts.KvStore.open(spec(self.loc)).result()
+            self._kv = ts.KvStore.open(spec(self.loc, self.patience_s)).result()
         return self._kv
 
     def check(self) -> str | None:
@@ -103,8 +119,12 @@ class Bucket:
                 f"checkpoint.durable_dir {self.loc}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and "
                 "AWS_ENDPOINT_URL for a store other than AWS)"
             )
+        import tensorstore as ts
+
+        if self._probe is None:  # a quick answer: the caller polls
+            self._probe = ts.KvStore.open(spec(self.loc, 2.0)).result()
         try:
-            manifest.retrying(lambda: self.kv.list(_range(_MANIFESTS)).result())
+            self._probe.list(_range(_MANIFESTS)).result()
         except Exception as e:
             first = (str(e).split("[http_response_body", 1)[0].strip().splitlines() or [type(e).__name__])[0]
             return (
@@ -116,8 +136,7 @@ class Bucket:
     def steps(self) -> dict[int, bool]:
         """Every step with objects under the prefix: whether it is sealed (all its manifests there)."""
         found: dict[int, set[str]] = {}
-        for key in manifest.retrying(lambda: self.kv.list().result()):
-            name = key.decode()
+        for name in self._list(""):
             step, _, rel = name.partition("/")
             if step.isdigit():
                 found.setdefault(int(step), set()).add(rel)
@@ -134,8 +153,47 @@ class Bucket:
             return False
         return all(f"{_MANIFESTS}process_{i}.json" in names for i in range(processes))
 
+    def manifests(self, step: int) -> tuple[dict[int, dict], list[manifest.Problem]]:
+        """A step's manifests in the bucket, and what is wrong with the set (trainer.ckpt.manifest.read's rules)."""
+        keys = self._list(f"{step}/{_MANIFESTS}")
+        found: dict[int, dict] = {}
+        problems: list[manifest.Problem] = []
+        for key in keys:
+            rel = key.split("/", 1)[1]
+            try:
+                rec = json.loads(self.read(key))
+                found[int(rec["process"])] = rec
+            except (FileNotFoundError, ValueError, KeyError, TypeError):
+                problems.append(manifest.Problem(rel, "manifest unreadable (torn or corrupt)"))
+        if not keys:
+            return found, [manifest.Problem("", "unverified: no content manifest (the save did not finish uploading)")]
+        expected = max((int(r.get("processes", 1)) for r in found.values()), default=1)
+        problems += [
+            manifest.Problem(f"{_MANIFESTS}process_{i}.json", f"unverified: manifest of process {i} missing")
+            for i in range(expected)
+            if i not in found and not any(f"process_{i}." in q.file for q in problems)
+        ]
+        return found, problems
+
+    def verify(self, step: int) -> manifest.Problem | None:
+        """Every object of a step against its manifest (size and sha256), read from the bucket: the first
+        problem, or None."""
+        found, problems = self.manifests(step)
+        if problems:
+            return problems[0]
+        for rec in found.values():
+            for rel, want in rec["files"].items():
+                r = self.kv.read(f"{step}/{rel}").result()
+                if r.state != "value":
+                    return manifest.Problem(rel, "object missing")
+                if len(r.value) != want["bytes"]:
+                    return manifest.Problem(rel, f"size {len(r.value)} bytes, {want['bytes']} when saved (truncated)")
+                if hashlib.sha256(r.value).hexdigest() != want["sha256"]:
+                    return manifest.Problem(rel, "content checksum mismatch (bytes changed since the save)")
+        return None
+
     def read(self, key: str) -> bytes:
-        r = manifest.retrying(lambda: self.kv.read(key).result())
+        r = self.kv.read(key).result()
         if r.state != "value":
             raise FileNotFoundError(f"{self.loc}{key}: no such object")
         return r.value
@@ -144,42 +202,64 @@ class Bucket:
         """This process's files of a sealed staging step (those its manifest lists), then its manifest: the
         step's commit marker in the bucket. Returns the bytes sent."""
         step_dir = Path(step_dir)
-        step = step_dir.name
         rec = json.loads(manifest.manifest_path(step_dir, process).read_text())
-        futures = [(rel, self.kv.write(f"{step}/{rel}", (step_dir / rel).read_bytes())) for rel in rec["files"]]
-        for _, f in futures:
-            manifest.retrying(f.result)
+        sizes = {rel: int(f["bytes"]) for rel, f in rec["files"].items()}
+        _windowed(sizes, lambda rel: self.kv.write(f"{step_dir.name}/{rel}", (step_dir / rel).read_bytes()), None)
         mine = manifest.manifest_path(step_dir, process).relative_to(step_dir).as_posix()
-        manifest.retrying(lambda: self.kv.write(f"{step}/{mine}", (step_dir / mine).read_bytes()).result())
-        return sum(int(f["bytes"]) for f in rec["files"].values())
+        self.kv.write(f"{step_dir.name}/{mine}", (step_dir / mine).read_bytes()).result()
+        return sum(sizes.values())
 
     def download(self, step: int, step_dir: Path, share: tuple[int, int]) -> int:
         """Into the staging directory: the manifests m with m % n == i (share = (i, n)) and the files they list
         (the other processes download theirs). Files are written atomically: a process never reads a half
         file another is writing. Returns the bytes received."""
-        step_dir, got = Path(step_dir), 0
-        names = sorted(
-            k.decode()[len(f"{step}/") :]
-            for k in manifest.retrying(lambda: self.kv.list(_range(f"{step}/{_MANIFESTS}")).result())
-        )
-        mine = [n for n in names if int(n.rsplit("_", 1)[1].split(".")[0]) % share[1] == share[0]]
-        for name in mine:
+        step_dir = Path(step_dir)
+        names = [k.split("/", 1)[1] for k in self._list(f"{step}/{_MANIFESTS}")]
+        got = 0
+        for name in [n for n in names if int(n.rsplit("_", 1)[1].split(".")[0]) % share[1] == share[0]]:
             raw = self.read(f"{step}/{name}")
-            rels = list(json.loads(raw)["files"])
-            futures = [(rel, self.kv.read(f"{step}/{rel}")) for rel in rels]
-            for rel, f in futures:
-                r = manifest.retrying(f.result)
-                if r.state != "value":
-                    continue  # missing: verification names it
-                (step_dir / rel).parent.mkdir(parents=True, exist_ok=True)
-                atomic_write(step_dir / rel, r.value, durable=False)
-                got += len(r.value)
+            sizes = {rel: int(f["bytes"]) for rel, f in json.loads(raw)["files"].items()}
+
+            def land(rel: str, r) -> None:
+                if r.state == "value":  # a missing object is left missing: verification names it
+                    (step_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+                    atomic_write(step_dir / rel, r.value, durable=False)
+
+            _windowed(sizes, lambda rel: self.kv.read(f"{step}/{rel}"), land)
             (step_dir / name).parent.mkdir(parents=True, exist_ok=True)
             atomic_write(step_dir / name, raw, durable=False)
+            got += sum(sizes.values())
         return got
 
     def delete(self, step: int) -> None:
         """A step's objects, its manifests first: a deletion cut short leaves an unsealed step, never a
-        sealed one with files missing."""
-        manifest.retrying(lambda: self.kv.delete_range(_range(f"{step}/{_MANIFESTS}")).result())
-        manifest.retrying(lambda: self.kv.delete_range(_range(f"{step}/")).result())
+        sealed one with files missing. Key by key (a write of None), not TensorStore's delete_range: that
+        trusts the server to honour the range, and a GCS emulator that ignored it deleted the whole bucket."""
+        for prefix in (f"{step}/{_MANIFESTS}", f"{step}/"):
+            for f in [self.kv.write(k, None) for k in self._list(prefix)]:
+                f.result()
+
+    def _list(self, prefix: str) -> list[str]:
+        """The keys under `prefix`, sorted; filtered here too, whatever the server made of the range."""
+        keys = self.kv.list(_range(prefix)).result() if prefix else self.kv.list().result()
+        return sorted(k for k in (b.decode() for b in keys) if k.startswith(prefix))
+
+
+IN_FLIGHT = 1 << 30  # bytes of transfers started and not finished: parallel requests, bounded host memory
+
+
+def _windowed(sizes: dict[str, int], start, done) -> None:
+    """start(rel) for every file (a TensorStore future), many at once but at most IN_FLIGHT bytes of them;
+    done(rel, result) as each finishes in order (None: nothing to do). Raises the first failure."""
+    pending: list[tuple[str, object, int]] = []
+    flying = 0
+    for rel, size in sizes.items():
+        while pending and flying + size > IN_FLIGHT:
+            r, f, n = pending.pop(0)
+            out, flying = f.result(), flying - n
+            done and done(r, out)
+        pending.append((rel, start(rel), size))
+        flying += size
+    for r, f, _ in pending:
+        out = f.result()
+        done and done(r, out)

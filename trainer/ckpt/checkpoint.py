@@ -148,7 +148,7 @@ class Checkpointer:
     ):
         """`remote`: a bucket URL (durable tier): `directory` stages its steps (trainer.ckpt.bucket)."""
         self.cfg, self.tier = cfg, tier
-        self.bucket = bucket.Bucket(remote) if remote else None
+        self.bucket = bucket.Bucket(remote, cfg.bucket_patience_s) if remote else None
         self._listing: dict[int, bool] = {}  # the bucket's steps (sealed or not), as last listed
         self.directory = Path(directory).absolute()
         local = tier == LOCAL

@@ -176,6 +176,7 @@ class Tiers:
         copy wins: it reads fastest). Bad copies are rejected with an event and moved aside, and the choice
         is made again (another copy of the same step may still serve)."""
         try:
+            self._drop_unsealed_staging()
             return self._restore_newest(abstract_state, layout)
         finally:
             self._metas.clear()  # read once per restore: a later save may write a step of the same number
@@ -197,6 +198,23 @@ class Tiers:
             self.log(CHECKPOINT_REJECTED, step=step, tier=tier, **problem)
             self._move_aside(tier, step, problem)
         return None
+
+    def _drop_unsealed_staging(self) -> None:
+        """With a bucket: staged steps the bucket does not hold sealed (an upload cut short, a step deleted
+        there) go before anything is restored or saved: the bucket is the record, and Orbax would refuse to
+        save such a step again."""
+        if self.durable.bucket is None:
+            return
+        if jax.process_index() == 0:
+            sealed = set(self.durable.steps())
+            for step in checkpoint_files.committed_steps(self.durable.directory):
+                if step not in sealed:
+                    shutil.rmtree(self.durable.step_dir(step), ignore_errors=True)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("staging-dropped")
+        self.durable.reload()
 
     def _fetch(self, step: int) -> None:
         """A bucket's step into the staging directory, every process its share, then Orbax's listing re-read. A

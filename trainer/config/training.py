@@ -153,6 +153,9 @@ class CheckpointConfig(Section):
     # the durable tier: a directory on any shared file system ("" = RUN_DIR/checkpoints), or a bucket,
     # s3://BUCKET/PREFIX or gs://BUCKET/PREFIX (staged through RUN_DIR/checkpoints: trainer.ckpt.bucket)
     durable_dir: str = ""
+    # how long a save or a restore waits out a bucket that does not answer (retries with backoff) before it is
+    # a storage failure (the supervisor then waits for the bucket, up to supervisor.storage_wait_minutes)
+    bucket_patience_s: NonNegative[float] = 120.0
     local_dir: str = ""  # node-local directory (RAM disk, local NVMe) for the fast tier; "" = no local tier
     local_every_steps: NonNegative[int] = 0  # local-tier saves every N steps (0 = none by steps)
     # local-tier saves every M minutes (0 = none by time); keep_latest applies too

@@ -39,6 +39,7 @@ class Kind:
     ECC_RISING = "ecc_rising"
     STRAGGLER = "straggler"  # the supervisor's (trainer.supervise.straggler)
     DISK_FULL = "disk_full"  # the supervisor's (trainer.supervise.storage)
+    BUCKET_DOWN = "bucket_down"  # the supervisor's: the durable tier's bucket does not answer
     STEP_OVERDUE = "step_overdue"  # the supervisor's, from the heartbeats
 
 
@@ -85,6 +86,12 @@ ALERTS = {
         "free space on the checkpoint filesystem (other jobs' files, old runs, a larger quota) or lower "
         "checkpoint.keep_latest; the supervisor restarts from the newest checkpoint once one more fits, and stops "
         "(exit 81) after supervisor.storage_wait_minutes",
+    ),
+    Kind.BUCKET_DOWN: (
+        "the bucket that holds the durable checkpoints did not answer (after the storage client's own retries): "
+        "no new checkpoint protects the run until it does",
+        "check the endpoint, the network and the credentials; the supervisor restarts from the newest checkpoint "
+        "in the bucket once it answers, and stops (exit 81) after supervisor.storage_wait_minutes",
     ),
     Kind.STEP_OVERDUE: (
         "no heartbeat progress for a long time: a hang (a collective waiting on a dead or stuck rank), a very "

@@ -44,9 +44,32 @@ def _local_dirs(run_dir: Path) -> list[tuple[str, Path]]:
     return [(f"local ({p.name.replace('_', ' ')})", p) for p in checkpoint_files.local_dirs(local, run_dir)]
 
 
+def _bucket_entries(url: str, *, verify: bool) -> list[Entry]:
+    """The durable tier in a bucket: its steps as the bucket lists them, checked there (nothing downloaded to
+    disk; --verify reads every object once)."""
+    from trainer.ckpt import bucket
+
+    b, out = bucket.Bucket(url), []
+    for step in reversed(list(b.steps())):
+        found, problems = b.manifests(step)
+        n = sum(len(m["files"]) for m in found.values())
+        if problems:
+            ok, detail = False, problems[0].reason + (f" ({problems[0].file})" if problems[0].file else "")
+        elif verify and (bad := b.verify(step)) is not None:
+            ok, detail = False, f"BAD {bad.file}: {bad.reason}"
+        else:
+            ok, detail = True, f"ok: {n} files match" if verify else f"sealed: {len(found)} manifest(s), {n} files"
+        size = sum(int(f["bytes"]) for m in found.values() for f in m["files"].values())
+        age = time.time() - max((float(m.get("time", 0)) for m in found.values()), default=time.time())
+        out.append(Entry(step, checkpoint_files.DURABLE, f"{b.loc}{step}", size, age, ok, detail))
+    return out
+
+
 def entries(run_dir: Path, *, verify: bool) -> list[Entry]:
-    dirs = [(checkpoint_files.DURABLE, checkpoint_files.durable_dir(run_dir))] + _local_dirs(run_dir)
     out = []
+    dirs = [(checkpoint_files.DURABLE, checkpoint_files.durable_dir(run_dir))] + _local_dirs(run_dir)
+    if url := checkpoint_files.durable_url(run_dir):  # the bucket's, not the staging directory's copies
+        out, dirs = _bucket_entries(url, verify=verify), dirs[1:]
     for tier, d in dirs:
         for step in reversed(checkpoint_files.committed_steps(d)):
             step_dir = d / str(step)

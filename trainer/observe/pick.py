@@ -37,7 +37,26 @@ def _alone(check: Callable[[], manifest.Problem | None]) -> manifest.Problem | N
 
 
 def steps(run_dir: Path) -> list[int]:
+    """The run's durable checkpoints (in a bucket: its sealed ones, trainer.ckpt.bucket)."""
+    if url := checkpoint_files.durable_url(run_dir):
+        from trainer.ckpt import bucket
+
+        return [s for s, ok in bucket.Bucket(url).steps().items() if ok]
     return checkpoint_files.committed_steps(checkpoint_files.durable_dir(run_dir))
+
+
+def _fetched(run: Path | None, step_dir: Path, share: tuple[int, int] | None) -> manifest.Problem | None:
+    """A bucket run's step downloaded into its staging directory (this process's share) before it is
+    verified and read; a download that failed is the verdict."""
+    url = checkpoint_files.durable_url(run) if run else None
+    if url:
+        from trainer.ckpt import bucket
+
+        try:
+            bucket.Bucket(url).download(int(step_dir.name), step_dir, share or (0, 1))
+        except Exception as e:
+            return manifest.Problem("", f"could not be downloaded from {url}: {e}"[:300])
+    return None
 
 
 def live_pid(run_dir: Path) -> int | None:
@@ -69,8 +88,9 @@ def _where(path: Path, step: int | None) -> tuple[Path | None, int | None]:
         run = path.parent.parent if path.parent.name == checkpoint_files.CHECKPOINTS else None
         return run, int(path.name)
     if (path / checkpoint_files.CHECKPOINTS).is_dir() or (
-        (path / rundir.CONFIG).is_file() and checkpoint_files.durable_dir(path).is_dir()
-    ):  # a run dir: its checkpoints below it, or where its checkpoint.durable_dir says
+        (path / rundir.CONFIG).is_file()
+        and (checkpoint_files.durable_dir(path).is_dir() or checkpoint_files.durable_url(path))
+    ):  # a run dir: its checkpoints below it, or where its checkpoint.durable_dir says (a path or a bucket)
         return path, step
     raise ConfigError(
         f"{path} is neither a run dir (with a {checkpoint_files.CHECKPOINTS}/ directory) nor a checkpoint "
@@ -98,7 +118,7 @@ def pick(
         raise ConfigError(f"{run} has no checkpoint of step {named}; it has: {_listing(have)}")
     pid = live_pid(run) if run else None
     if pid and named is None:
-        sealed = [s for s in have if manifest.sealed(ckpts / str(s))]
+        sealed = have if checkpoint_files.durable_url(run) else [s for s in have if manifest.sealed(ckpts / str(s))]
         raise ConfigError(
             f"{run} is still training (pid {pid}): its newest checkpoint may still be written; "
             f"name a sealed one ({name_it}): {_listing(sealed)}"
@@ -109,7 +129,7 @@ def pick(
         step_dir = ckpts / str(s)
         if not with_manifests:  # nothing to check against: committed (renamed into place) is all we can know
             return Picked(s, step_dir, run, False, notes)
-        problem = agree(lambda d=step_dir: manifest.verify(d, share=share))
+        problem = agree(lambda d=step_dir: _fetched(run, d, share) or manifest.verify(d, share=share))
         if problem is None:
             return Picked(s, step_dir, run, True, notes)
         why = problem.reason + (f" ({problem.file})" if problem.file else "")

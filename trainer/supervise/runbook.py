@@ -124,13 +124,26 @@ def rewind(run_dir: Path, began: int, tag: int) -> tuple[int, list[int]]:
     """Move every checkpoint at or after the step the spike began out of the way (the supervisor has no
     orbax: a rename is the whole operation); returns the step the run resumes from (0 = init)."""
     ckpts = checkpoint_files.durable_dir(run_dir)
-    steps = checkpoint_files.committed_steps(ckpts)
-    target = max((s for s in steps if s < began), default=0)
+    staged = checkpoint_files.committed_steps(ckpts)
+    remote = None
+    if url := checkpoint_files.durable_url(run_dir):  # the bucket's steps are the run's; staged copies follow
+        from trainer.ckpt import bucket
+
+        remote = bucket.Bucket(url)
+        listing = remote.steps()
+        steps = sorted(set(listing) | set(staged))
+        target = max((s for s in listing if s < began and listing[s]), default=0)
+    else:
+        steps = staged
+        target = max((s for s in steps if s < began), default=0)
     moved = [s for s in steps if s > target]
     for s in moved:
-        dest = checkpoint_files.rewound_path(run_dir, s, tag)
-        dest.parent.mkdir(exist_ok=True)
-        os.replace(ckpts / str(s), dest)
+        if s in staged:
+            dest = checkpoint_files.rewound_path(run_dir, s, tag)
+            dest.parent.mkdir(exist_ok=True)
+            os.replace(ckpts / str(s), dest)
+        if remote is not None:  # a bucket has no rename: the staged copy (if any) is what stays for a post-mortem
+            remote.delete(s)
     return target, moved
 
 

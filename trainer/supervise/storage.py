@@ -45,7 +45,12 @@ def wait_for_room(
     run_dir: Path, minutes: float, write: Callable[..., None], *, step: int | None, stop: Callable[[], bool]
 ) -> bool:
     """True once one more checkpoint fits (at once if it already does: the space was freed, or the error was
-    passing); False when `minutes` pass without room, or `stop()` (the job is being preempted)."""
+    passing); False when `minutes` pass without room, or `stop()` (the job is being preempted). With the durable
+    tier in a bucket: once the bucket answers again."""
+    if (url := checkpoint_files.durable_url(run_dir)) and not _wait_for_bucket(
+        url, minutes, write, step=step, stop=stop
+    ):
+        return False
     need, have = room_needed(run_dir), free_bytes(run_dir)
     if have >= need or minutes <= 0:
         return have >= need
@@ -70,5 +75,27 @@ def wait_for_room(
         time.sleep(POLL_S)
         if (have := free_bytes(run_dir)) >= need:
             write(ALERT_CLEARED, step=step, kind=Kind.DISK_FULL, free_bytes=have, waited_s=time.monotonic() - t0)
+            return True
+    return False
+
+
+def _wait_for_bucket(
+    url: str, minutes: float, write: Callable[..., None], *, step: int | None, stop: Callable[[], bool]
+) -> bool:
+    """The bucket did not answer a save or a restore: wait until it lists again (an outage, an endpoint
+    restarted), with an alert. Then the staging directory's room is checked as for a path."""
+    from trainer.ckpt import bucket
+
+    b = bucket.Bucket(url)
+    if (why := b.check()) is None or minutes <= 0:
+        return why is None
+    meaning, action = ALERTS[Kind.BUCKET_DOWN]
+    write(ALERT, step=step, kind=Kind.BUCKET_DOWN, detail=why, meaning=meaning, runbook=action)
+    print(f"supervisor: {why}: waiting up to {minutes:g} min for it, then restarting", file=sys.stderr, flush=True)
+    deadline, t0 = time.monotonic() + minutes * 60, time.monotonic()
+    while time.monotonic() < deadline and not stop():
+        time.sleep(POLL_S)
+        if b.check() is None:
+            write(ALERT_CLEARED, step=step, kind=Kind.BUCKET_DOWN, waited_s=time.monotonic() - t0)
             return True
     return False

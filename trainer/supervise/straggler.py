@@ -56,6 +56,7 @@ class Verdict:
     calm_s: float = 0.0  # the group's step before it: its last calm windows' (with none, step - excess)
     first_step: int = 0  # the windows behind the verdict: training steps first_step..last_step
     last_step: int = 0
+    calm_windows: list = field(default_factory=list)  # [first, last] steps of the calm windows calm_s is from
 
 
 @dataclass
@@ -68,7 +69,7 @@ class _Window:
     own: list[float]  # a process's own time per step: all but waiting on the others
     sections: dict[str, list[float]]  # the own time split: data, dispatch, host (the rest)
     steps: int
-    first: int = 0  # the training steps it spans (process 0's marks: every process marks the same steps)
+    first: int = 0  # its training steps (process 0's marks: every process marks the same steps)
     last: int = 0
 
 
@@ -83,8 +84,8 @@ class StragglerWatch:
     _calm: int = 0  # consecutive windows without the open verdict's process as a candidate
     lost_s: float = 0.0  # lost to the open verdict's process since it was declared
     calm: list[float] = field(default_factory=list)  # the group's step time in the latest calm windows
+    calm_spans: list[list[int]] = field(default_factory=list)  # their [first, last] training steps
     _slower: int = 0  # consecutive windows without a candidate but slower than the calm by the factor
-    _mark_step: int = -1  # the training step of the last judged mark
 
     def observe(self, heartbeats: list[dict | None], launch: str) -> list[tuple[str, Verdict]]:
         """Feed the latest heartbeats of attempt `launch`; returns what changed: ("straggler", verdict) when
@@ -95,7 +96,6 @@ class StragglerWatch:
             launch != self.launch or not self._base
         ):  # a new attempt: its counters start over (the standing verdict is ended by end())
             self.launch, self._base, self._streak = launch, [dict.fromkeys(_KEYS, 0.0)] * self.processes, {}
-            self._mark_step = -1
         marks = [(hb or {}).get("timing") for hb in heartbeats]
         if len(marks) != self.processes or not all(isinstance(m, list) for m in marks):
             return []
@@ -106,8 +106,9 @@ class StragglerWatch:
             if n > self._base[0]["n"]:  # a window missed (4 behind) is merged into the next: means, not sums
                 now = [{k: float(b[n].get(k, 0.0)) for k in _KEYS} for b in by_n]
                 window, self._base = _window(now, self._base), now
-                window.first, window.last = self._mark_step + 1, int(by_n[0][n].get("step", 0))
-                self._mark_step = window.last
+                # its clean steps end at the mark's step (consecutive, unless a save or eval fell among them)
+                window.last = int(by_n[0][n].get("step", 0))
+                window.first = window.last - window.steps + 1
                 out += self._judge(window, nodes)
         return out
 
@@ -115,7 +116,7 @@ class StragglerWatch:
         out = []
         found = {p: v for p in range(self.processes) if (v := self._candidate(w, p, nodes[p])) is not None}
         if not found:
-            self._admit_calm(statistics.median(w.step_s))
+            self._admit_calm(statistics.median(w.step_s), [w.first, w.last])
         else:
             self._slower = 0
         for p in list(self._streak):
@@ -140,7 +141,7 @@ class StragglerWatch:
                 out.append((DECLARED, self.open))
         return out
 
-    def _admit_calm(self, step: float) -> None:
+    def _admit_calm(self, step: float, span: list[int]) -> None:
         """A window with no candidate is the new calm unless it is `factor` slower than the calm so far: the
         window a slowdown starts in (half calm, half slow, its process not yet host-bound over the whole
         window) would have made the verdict's slowdown 1.53x where the run showed 1.69x. `windows` such
@@ -149,6 +150,7 @@ class StragglerWatch:
             self._slower += 1
             return
         self.calm, self._slower = [*self.calm, step][-self.cfg.windows :], 0
+        self.calm_spans = [*self.calm_spans, span][-self.cfg.windows :]
 
     def _candidate(self, w: _Window, p: int, node: str) -> Verdict | None:
         """Process p's verdict for this window: host-bound, more own time than its peers' median (with 3 or
@@ -175,7 +177,18 @@ class StragglerWatch:
         detail = ", ".join(f"{s} {section_excess(s) * 1e3:+.1f} ms" for s in SECTIONS)
         detail += f"; {'calm' if self.calm else 'without its excess'}"
         return Verdict(
-            p, node, section, slowdown, excess, w.steps, (step - calm) * w.steps, detail, calm, w.first, w.last
+            p,
+            node,
+            section,
+            slowdown,
+            excess,
+            w.steps,
+            (step - calm) * w.steps,
+            detail,
+            calm,
+            w.first,
+            w.last,
+            list(self.calm_spans),
         )
 
     def _close(self) -> Verdict:
