@@ -110,10 +110,17 @@ class GCSServer(_Server):
         urllib.request.urlopen(req).read()
 
 
+_BODY = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>\n"
+SLOW_DOWN = b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\n" + (
+    b"Content-Length: %d\r\n\r\n" % len(_BODY) + _BODY
+)
+
+
 class Relay:
     """A TCP relay in front of the S3 server that the test cuts (listener and every connection closed: new
     ones refused) and restores: the endpoint gone for a while, the server's objects kept (moto keeps them in
-    memory: stopping it would lose them)."""
+    memory: stopping it would lose them). `throttle = N`: the next N connections get S3's HTTP 503 SlowDown
+    to their first request, as a throttled bucket answers, and are closed."""
 
     def __init__(self, target: int):
         self.target = target
@@ -123,13 +130,20 @@ class Relay:
         self.url = f"http://127.0.0.1:{self.port}"
         self._socks: list[socket.socket] = []
         self._listener: socket.socket | None = None
+        self.throttle = 0
+        self.throttled = 0  # SlowDown answers given
 
     def up(self) -> None:
         self._listener = socket.create_server(("127.0.0.1", self.port), reuse_port=False)
         threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
 
     def down(self) -> None:
-        for s in [self._listener, *self._socks]:
+        self._listener.close()
+        self.drop_connections()
+
+    def drop_connections(self) -> None:
+        """Close the relayed connections (the listener stays): the client's next request opens a new one."""
+        for s in self._socks:
             try:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -143,10 +157,25 @@ class Relay:
                 client, _ = listener.accept()
             except OSError:
                 return
+            if self.throttle > 0:
+                self.throttle, self.throttled = self.throttle - 1, self.throttled + 1
+                threading.Thread(target=self._slow_down, args=(client,), daemon=True).start()
+                continue
             server = socket.create_connection(("127.0.0.1", self.target))
             self._socks += [client, server]
             for a, b in ((client, server), (server, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _slow_down(client: socket.socket) -> None:
+        head = b""
+        try:
+            while b"\r\n\r\n" not in head and (data := client.recv(1 << 16)):
+                head += data
+            client.sendall(SLOW_DOWN)
+        except OSError:
+            pass
+        client.close()
 
     @staticmethod
     def _pump(a: socket.socket, b: socket.socket) -> None:

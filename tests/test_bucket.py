@@ -78,7 +78,8 @@ def test_a_run_whose_durable_tier_is_a_bucket_resumes_from_it_bitwise_and_falls_
 
 @pytest.mark.slow
 def test_an_endpoint_gone_during_a_save_is_waited_for_and_no_committed_checkpoint_is_lost(tmp_path, reference_run, s3):
-    """The endpoint goes away while step 20 commits (its storage 3 s slow: fault slow_save): the upload fails
+    """First the bucket throttles (HTTP 503 SlowDown) the upload of step 10: retried, sealed, no failure. Then
+    the endpoint goes away while step 20 commits (its storage 3 s slow: fault slow_save): the upload fails
     after checkpoint.bucket_patience_s, the worker exits as a storage failure (81), the supervisor alerts and
     waits for the bucket, restarts once it answers, resumes from 10 (20 never sealed there) and ends with the
     uninterrupted run's params; every checkpoint the bucket holds at the end verifies."""
@@ -88,13 +89,17 @@ def test_an_endpoint_gone_during_a_save_is_waited_for_and_no_committed_checkpoin
     run = tmp_path / "run"
     over = (
         f"checkpoint.durable_dir=s3://{BUCKET}/runs/b",
-        "checkpoint.bucket_patience_s=1",
+        "checkpoint.bucket_patience_s=7",  # 3 retries, after 1, 2 and 4 s
         "faults=[{kind: slow_save, step: 20, seconds: 3}]",
     )
     env = {**child_env(), **s3.env, "AWS_ENDPOINT_URL": relay.url}
     proc = subprocess.Popen(trainer_cmd(run, *over), cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
+        until(lambda: any(e["event"] == "step" for e in events(run)))
+        relay.throttle = 1  # the next connection (the upload of 10: its kept-alive ones are dropped) is throttled
+        relay.drop_connections()
         until(lambda: any(e["event"] == "checkpoint_saved" and e["step"] == 20 for e in events(run)))
+        assert relay.throttled == 1
         relay.down()  # before the commit (3 s late) and so before the upload
         until(lambda: any(e["event"] == "alert" and e["kind"] == "bucket_down" for e in events(run)))
         relay.up()
