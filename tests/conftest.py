@@ -258,6 +258,7 @@ HEAVY_FIRST = (
     "test_drill",
     "test_node_loss",
     "test_multihost",
+    "test_bucket",  # ~100 s of wall for ~35 CPU-s (servers, waits): early, beside the CPU-heavy modules
     "test_export",
     "test_supervisor",
     "test_llama",
@@ -269,7 +270,6 @@ HEAVY_FIRST = (
     "test_sharding",
     "test_eval",
     "test_straggler",
-    "test_bucket",
     "test_checkpoint",
     "test_layers",
 )

@@ -1770,7 +1770,7 @@ MUTATIONS = [
             ),
         ),
         (
-            "tests/test_bucket.py::test_a_run_whose_durable_tier_is_a_bucket_resumes_from_it_bitwise_and_falls_back_past_a_flipped_byte[s3]",
+            "tests/test_bucket.py::test_a_run_whose_durable_tier_is_a_bucket_resumes_from_it_bitwise_and_falls_back_past_a_flipped_byte",
         ),
         catch="assert rejected == [(13,",
     ),
@@ -1795,7 +1795,7 @@ MUTATIONS = [
             ),
         ),
         (
-            "tests/test_bucket.py::test_a_run_whose_durable_tier_is_a_bucket_resumes_from_it_bitwise_and_falls_back_past_a_flipped_byte[s3]",
+            "tests/test_bucket.py::test_a_run_whose_durable_tier_is_a_bucket_resumes_from_it_bitwise_and_falls_back_past_a_flipped_byte",
         ),
         catch="assert final == sorted(",
     ),

@@ -16,15 +16,9 @@ from conftest import ROOT, child_env, events, run_trainer, step_losses, summary,
 from multihost import audit
 
 
-@pytest.fixture(params=["s3", "gs"])
-def store(request):
-    """Each bucket kind against its local server: moto's S3, gcp-storage-emulator's GCS."""
-    return request.getfixturevalue("s3" if request.param == "s3" else "gcs")
-
-
 @pytest.mark.slow
 def test_a_run_whose_durable_tier_is_a_bucket_resumes_from_it_bitwise_and_falls_back_past_a_flipped_byte(
-    tmp_path, reference_run, store
+    tmp_path, reference_run, s3
 ):
     """Stopped at 13: steps 10 and 13 are objects under the prefix, manifests included. The staging copies are
     deleted (a new node has none) and one byte of an object of 13 flipped in the bucket: the resume, SIGKILLed
@@ -33,11 +27,11 @@ def test_a_run_whose_durable_tier_is_a_bucket_resumes_from_it_bitwise_and_falls_
     ref = reference_run()
     run = tmp_path / "run"
     # keep_latest=2 and no runbook (its last-known-good pin would keep 10): retention has something to delete
-    where = (f"checkpoint.durable_dir={store.scheme}://{BUCKET}/runs/a", "checkpoint.keep_latest=2")
+    where = (f"checkpoint.durable_dir={s3.scheme}://{BUCKET}/runs/a", "checkpoint.keep_latest=2")
     where += ("runbook.enabled=false",)
     where += ("data.audit=true",)
-    run_trainer(run, *where, "train.stop_at_step=13", worker=True, env=store.env)
-    kv = store.kv("runs/a/")
+    run_trainer(run, *where, "train.stop_at_step=13", worker=True, env=s3.env)
+    kv = s3.kv("runs/a/")
     keys = [k.decode() for k in kv.list().result()]
     assert {k.split("/")[0] for k in keys} == {"10", "13"}, keys
     assert "13/integrity/process_0.json" in keys and any(k.startswith("13/state/") for k in keys), keys
@@ -49,7 +43,7 @@ def test_a_run_whose_durable_tier_is_a_bucket_resumes_from_it_bitwise_and_falls_
     kv.write(victim, bytes(raw)).result()
 
     kill = "faults=[{kind: signal, signal: SIGKILL, step: 17}]"
-    run_trainer(run, *where, kill, env=store.env)
+    run_trainer(run, *where, kill, env=s3.env)
     evs = events(run)
     rejected = [(e["step"], e["tier"], e["file"]) for e in evs if e["event"] == "checkpoint_rejected"]
     assert rejected == [(13, "durable", victim.split("/", 1)[1])], rejected
@@ -71,9 +65,24 @@ def test_a_run_whose_durable_tier_is_a_bucket_resumes_from_it_bitwise_and_falls_
         capture_output=True,
         text=True,
         timeout=300,
-        env={**child_env(), **store.env},
+        env={**child_env(), **s3.env},
     )
     assert exported.returncode == 0 and "/checkpoints/30 (verified" in exported.stdout + exported.stderr, exported
+
+
+@pytest.mark.slow
+def test_a_gcs_bucket_holds_the_durable_tier_and_a_resume_with_no_staged_copy_reads_it(tmp_path, reference_run, gcs):
+    """The same code over GCS's JSON API (gcp-storage-emulator): stopped at 13, the staged copies deleted, the
+    resume downloads 13 from the bucket and ends with the uninterrupted run's params; retention deletes there."""
+    ref = reference_run()
+    run = tmp_path / "run"
+    where = (f"checkpoint.durable_dir=gs://{BUCKET}/runs/g", "checkpoint.keep_latest=2", "runbook.enabled=false")
+    run_trainer(run, *where, "train.stop_at_step=13", worker=True, env=gcs.env)
+    shutil.rmtree(run / "checkpoints")
+    run_trainer(run, *where, worker=True, env=gcs.env)
+    assert [(e["step"], e["tier"]) for e in events(run) if e["event"] == "restore"] == [(13, "durable")]
+    assert summary(run)["params_sha256"] == summary(ref)["params_sha256"]
+    assert sorted({int(k.decode().split("/")[0]) for k in gcs.kv("runs/g/").list().result()}) == [20, 30]
 
 
 @pytest.mark.slow
