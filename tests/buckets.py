@@ -189,3 +189,16 @@ class Relay:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+def until(done, timeout: float = 120.0) -> None:
+    """Wait until done() (a look at a run dir being written: a missing file is not yet)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if done():
+                return
+        except FileNotFoundError:  # no events.jsonl yet
+            pass
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)

@@ -1785,6 +1785,14 @@ MUTATIONS = [
         catch="assert proc.returncode == 0",
     ),
     M(
+        "bucket_download_takes_only_the_first_share",
+        "every process of a restore downloads process 0's manifest and files: the shards the other processes "
+        "wrote never reach the staging directory, and a multi-process restore from the bucket fails",
+        (("trainer/ckpt/bucket.py", "% share[1] == share[0]]", "% share[1] == 0]"),),
+        ("tests/test_node_loss.py::test_two_nodes_lost_in_turn_heal_from_the_peer_copy_then_from_durable",),
+        catch='assert (restored[1].get("tier"), restored[1].get("step")) == ("durable", 10)',
+    ),
+    M(
         "bucket_never_pruned",
         "retention applies to the staging directory only: the bucket keeps every checkpoint ever saved",
         (

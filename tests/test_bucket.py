@@ -8,10 +8,9 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
-from buckets import BUCKET, Relay
+from buckets import BUCKET, Relay, until
 from conftest import ROOT, child_env, events, run_trainer, step_losses, summary, trainer_cmd
 from multihost import audit
 
@@ -134,18 +133,6 @@ def test_an_endpoint_gone_during_a_save_is_waited_for_and_no_committed_checkpoin
     )
     found = [(e["step"], e["verified"]) for e in json.loads(listed.stdout)]
     assert listed.returncode == 0 and found == [(30, True), (20, True), (10, True)], listed.stdout + listed.stderr
-
-
-def until(done, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if done():
-                return
-        except FileNotFoundError:  # no events.jsonl yet
-            pass
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
 
 
 def test_a_missing_bucket_is_one_line_exit_2_and_nothing_written(tmp_path, s3):
