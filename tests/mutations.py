@@ -1084,7 +1084,7 @@ MUTATIONS = [
         (
             (
                 "trainer/supervise/straggler.py",
-                "    step = calm + total.lost_s / total.steps\n",
+                "    step = calm + lost / steps\n",
                 "    step = v.slowdown * v.calm_s\n",
             ),
         ),
@@ -1793,12 +1793,33 @@ MUTATIONS = [
         catch='assert (restored[1].get("tier"), restored[1].get("step")) == ("durable", 10)',
     ),
     M(
+        "bucket_not_checked_before_writing",
+        "a missing bucket is not looked for at start: the run dir is created and the run fails later, with a traceback",
+        (("trainer/__main__.py", "if why := bucket.Bucket(cfg.checkpoint.durable_dir).check():", "if why := None:"),),
+        ("tests/test_bucket.py::test_a_missing_bucket_is_one_line_exit_2_and_nothing_written",),
+        catch="assert p.returncode == 2 and len(lines) == 1",
+    ),
+    M(
+        "bucket_keys_trusted_to_the_server",
+        "a step's deletion takes the keys the server lists for the step's range without filtering them: a server "
+        "that ignores the range (the GCS emulator) loses every checkpoint at the first retention",
+        (
+            (
+                "trainer/ckpt/bucket.py",
+                "[self.kv.write(k, None) for k in self._list(prefix)]",
+                "[self.kv.write(k, None) for k in self.kv.list(_range(prefix)).result()]",
+            ),
+        ),
+        ("tests/test_bucket.py::test_a_gcs_bucket_holds_the_durable_tier_and_a_resume_with_no_staged_copy_reads_it",),
+        catch="assert sorted({int(k.decode().split",
+    ),
+    M(
         "bucket_never_pruned",
         "retention applies to the staging directory only: the bucket keeps every checkpoint ever saved",
         (
             (
                 "trainer/ckpt/checkpoint.py",
-                "        self._listing = self.bucket.steps()\n        sealed =",
+                "        listing = self.bucket.steps()\n        sealed =",
                 "        return\n        sealed =",
             ),
         ),

@@ -32,10 +32,6 @@ SCHEMES = {"s3": "s3", "gs": "gcs"}  # URL scheme -> TensorStore kvstore driver
 _MANIFESTS = manifest.DIR + "/"
 
 
-def is_url(location: str | None) -> bool:
-    return bool(location) and str(location).split("://", 1)[0] in SCHEMES and "://" in str(location)
-
-
 @dataclass(frozen=True)
 class Location:
     scheme: str
@@ -154,26 +150,9 @@ class Bucket:
         return all(f"{_MANIFESTS}process_{i}.json" in names for i in range(processes))
 
     def manifests(self, step: int) -> tuple[dict[int, dict], list[manifest.Problem]]:
-        """A step's manifests in the bucket, and what is wrong with the set (trainer.ckpt.manifest.read's rules)."""
+        """A step's manifests in the bucket, and what is wrong with the set (trainer.ckpt.manifest's rules)."""
         keys = self._list(f"{step}/{_MANIFESTS}")
-        found: dict[int, dict] = {}
-        problems: list[manifest.Problem] = []
-        for key in keys:
-            rel = key.split("/", 1)[1]
-            try:
-                rec = json.loads(self.read(key))
-                found[int(rec["process"])] = rec
-            except (FileNotFoundError, ValueError, KeyError, TypeError):
-                problems.append(manifest.Problem(rel, "manifest unreadable (torn or corrupt)"))
-        if not keys:
-            return found, [manifest.Problem("", "unverified: no content manifest (the save did not finish uploading)")]
-        expected = max((int(r.get("processes", 1)) for r in found.values()), default=1)
-        problems += [
-            manifest.Problem(f"{_MANIFESTS}process_{i}.json", f"unverified: manifest of process {i} missing")
-            for i in range(expected)
-            if i not in found and not any(f"process_{i}." in q.file for q in problems)
-        ]
-        return found, problems
+        return manifest.judge({k.rsplit("/", 1)[1]: lambda k=k: self.read(k) for k in keys}, unfinished="uploading")
 
     def verify(self, step: int) -> manifest.Problem | None:
         """Every object of a step against its manifest (size and sha256), read from the bucket: the first
@@ -257,9 +236,11 @@ def _windowed(sizes: dict[str, int], start, done) -> None:
         while pending and flying + size > IN_FLIGHT:
             r, f, n = pending.pop(0)
             out, flying = f.result(), flying - n
-            done and done(r, out)
+            if done:
+                done(r, out)
         pending.append((rel, start(rel), size))
         flying += size
     for r, f, _ in pending:
         out = f.result()
-        done and done(r, out)
+        if done:
+            done(r, out)

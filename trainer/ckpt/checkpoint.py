@@ -149,7 +149,6 @@ class Checkpointer:
         """`remote`: a bucket URL (durable tier): `directory` stages its steps (trainer.ckpt.bucket)."""
         self.cfg, self.tier = cfg, tier
         self.bucket = bucket.Bucket(remote, cfg.bucket_patience_s) if remote else None
-        self._listing: dict[int, bool] = {}  # the bucket's steps (sealed or not), as last listed
         self.directory = Path(directory).absolute()
         local = tier == LOCAL
         # Manifest identity: a local checkpoint is one process's own; a durable one is shared by all.
@@ -195,8 +194,7 @@ class Checkpointer:
     def steps(self) -> list[int]:
         """The committed steps (in a bucket: the sealed ones, the only ones a restore may take)."""
         if self.bucket is not None:
-            self._listing = self.bucket.steps()
-            return [s for s, ok in self._listing.items() if ok]
+            return [s for s, ok in self.bucket.steps().items() if ok]
         return checkpoint_files.committed_steps(self.directory)
 
     def step_dir(self, step: int) -> Path:
@@ -262,14 +260,14 @@ class Checkpointer:
         """Retention in the bucket (process 0, after its upload): the same policy over the bucket's steps, the
         newest sealed one always kept; a step that never sealed and is older than it (a torn save) goes;
         newer ones may still be uploading."""
-        self._listing = self.bucket.steps()
-        sealed = [s for s, ok in self._listing.items() if ok]
+        listing = self.bucket.steps()
+        sealed = [s for s, ok in listing.items() if ok]
         if not sealed or self._policy is None:
             return
-        steps = [s for s in self._listing if s <= sealed[-1]]
+        steps = [s for s in listing if s <= sealed[-1]]
         keep = self._policy.should_preserve([_Info(s) for s in steps], context=cm.PreservationContext())
         for s, kept in zip(steps, keep):
-            if s != sealed[-1] and (not kept or not self._listing[s]):
+            if s != sealed[-1] and (not kept or not listing[s]):
                 self.bucket.delete(s)
 
     def _join_sealer(self) -> None:

@@ -90,20 +90,29 @@ def write(step_dir: Path, *, process: int, processes: int, durable: bool) -> dic
 
 def read(step_dir: Path) -> tuple[dict[int, dict], list[Problem]]:
     """All manifests of a step dir, and what is wrong with the set (none, missing, torn)."""
-    found: dict[int, dict] = {}
-    problems: list[Problem] = []
     try:
         paths = sorted((Path(step_dir) / DIR).glob("process_*.json"))
     except OSError:  # the step dir went while it was listed (retention deleted it): nothing sealed there
         paths = []
-    for p in paths:
+    return judge({p.name: p.read_text for p in paths})
+
+
+def judge(
+    loaders: dict[str, Callable[[], str | bytes]], *, unfinished: str = "sealing"
+) -> tuple[dict[int, dict], list[Problem]]:
+    """A step's manifests by file name, each read by its loader (from a directory, or from a bucket:
+    trainer.ckpt.bucket), and what is wrong with the set: none, one missing, one torn. `unfinished`: what a
+    step with none did not finish."""
+    found: dict[int, dict] = {}
+    problems: list[Problem] = []
+    for name, load in sorted(loaders.items()):
         try:
-            rec = json.loads(p.read_text())
+            rec = json.loads(load())
             found[int(rec["process"])] = rec
         except (OSError, ValueError, KeyError, TypeError):
-            problems.append(Problem(f"{DIR}/{p.name}", "manifest unreadable (torn or corrupt)"))
-    if not paths:
-        return found, [Problem("", "unverified: no content manifest (the save did not finish sealing)")]
+            problems.append(Problem(f"{DIR}/{name}", "manifest unreadable (torn or corrupt)"))
+    if not loaders:
+        return found, [Problem("", f"unverified: no content manifest (the save did not finish {unfinished})")]
     expected = max((int(r.get("processes", 1)) for r in found.values()), default=1)
     problems += [
         Problem(f"{DIR}/process_{i}.json", f"unverified: manifest of process {i} missing")

@@ -79,7 +79,7 @@ class StragglerWatch:
     processes: int
     launch: str = ""
     _base: list[dict] = field(default_factory=list)  # every process's counters at the last judged mark
-    _streak: dict = field(default_factory=dict)  # process -> (its consecutive candidate windows, their sum)
+    _streak: dict = field(default_factory=dict)  # process -> (consecutive candidate windows, their sums)
     open: Verdict | None = None  # the verdict standing now
     _calm: int = 0  # consecutive windows without the open verdict's process as a candidate
     lost_s: float = 0.0  # lost to the open verdict's process since it was declared
@@ -122,9 +122,9 @@ class StragglerWatch:
         for p in list(self._streak):
             if p not in found:
                 del self._streak[p]
-        for p, v in found.items():
-            n, total = self._streak.get(p, (0, None))
-            self._streak[p] = (n + 1, _add(total, v))
+        for p, v in found.items():  # sums over its consecutive candidate windows (first step: the first's)
+            n, (steps, lost, calm_s, first) = self._streak.get(p, (0, (0, 0.0, 0.0, v.first_step)))
+            self._streak[p] = (n + 1, (steps + v.steps, lost + v.lost_s, calm_s + v.calm_s * v.steps, first))
         if self.open is not None:
             if self.open.process in found:
                 self._calm = 0
@@ -135,9 +135,9 @@ class StragglerWatch:
                     out.append((CLEARED, self._close()))
         if self.open is None and found:
             p = max(found, key=lambda q: found[q].slowdown)
-            n, total = self._streak[p]
+            n, streak = self._streak[p]
             if n >= self.cfg.windows:
-                self.open, self._calm, self.lost_s = _over(total, found[p]), 0, 0.0
+                self.open, self._calm, self.lost_s = _over(streak, found[p]), 0, 0.0
                 out.append((DECLARED, self.open))
         return out
 
@@ -202,32 +202,15 @@ class StragglerWatch:
         return self._close() if self.open is not None else None
 
 
-def _add(total: Verdict | None, v: Verdict) -> Verdict:
-    """Sums over a process's consecutive candidate windows: steps, lost seconds, calm seconds (calm_s x steps),
-    and the first step."""
-    if total is None:
-        return Verdict(v.process, v.node, "", 0.0, 0.0, v.steps, v.lost_s, "", v.calm_s * v.steps, v.first_step)
-    total.steps, total.lost_s, total.calm_s = (
-        total.steps + v.steps,
-        total.lost_s + v.lost_s,
-        total.calm_s + v.calm_s * v.steps,
-    )
-    return total
-
-
-def _over(total: Verdict, v: Verdict) -> Verdict:
-    """The verdict over all its windows: the latest window's section and excess, the group's mean step over
-    every window against its calm. One window's mean moves with a single stall of a loaded host: 10 steps
-    beside the test suite once read 7.3x where the run's slowed steps showed 3.9x."""
-    calm = total.calm_s / total.steps
-    step = calm + total.lost_s / total.steps
-    v.slowdown, v.calm_s, v.steps, v.lost_s, v.first_step = (
-        step / calm,
-        calm,
-        total.steps,
-        total.lost_s,
-        total.first_step,
-    )
+def _over(streak: tuple[int, float, float, int], v: Verdict) -> Verdict:
+    """The verdict over all its windows (`streak`: their steps, lost seconds, calm seconds (calm x steps) and
+    first step): the latest window's section and excess, the group's mean step over every window against its
+    calm. One window's mean moves with a single stall of a loaded host: 10 steps beside the test suite once
+    read 7.3x where the run's slowed steps showed 3.9x."""
+    steps, lost, calm_s, first = streak
+    calm = calm_s / steps
+    step = calm + lost / steps
+    v.slowdown, v.calm_s, v.steps, v.lost_s, v.first_step = step / calm, calm, steps, lost, first
     v.detail += f" {calm * 1e3:.0f} ms, step {step * 1e3:.0f} ms"
     return v
 
