@@ -1092,6 +1092,20 @@ MUTATIONS = [
         catch="abs(v.slowdown - 0.302 / 0.102) < 1e-9",
     ),
     M(
+        "straggler_cleared_by_a_slow_window_no_one_was_named_in",
+        "a window with no one named counts toward clearing the verdict though the group is still 3x slow: under "
+        "load the verdict clears a window early, before the slowdown is over",
+        (
+            (
+                "trainer/supervise/straggler.py",
+                "            elif found or calm:\n",
+                "            else:\n",
+            ),
+        ),
+        ("tests/test_straggler.py::test_a_window_still_slow_with_no_one_named_clears_nothing",),
+        catch='[[], [], [], [("straggler", 1)], [], [], [("cleared", 1)]]',
+    ),
+    M(
         "straggler_slowdown_against_its_own_excess",
         "the verdict's slowdown measured against the step without the straggler's excess, not the group's calm "
         "windows: a process sleeping 3x the step reads as a 30x slowdown",

@@ -81,7 +81,7 @@ class StragglerWatch:
     _base: list[dict] = field(default_factory=list)  # every process's counters at the last judged mark
     _streak: dict = field(default_factory=dict)  # process -> (consecutive candidate windows, their sums)
     open: Verdict | None = None  # the verdict standing now
-    _calm: int = 0  # consecutive windows without the open verdict's process as a candidate
+    _calm: int = 0  # windows since the open verdict's process was last a candidate that were calm (see _judge)
     lost_s: float = 0.0  # lost to the open verdict's process since it was declared
     calm: list[float] = field(default_factory=list)  # the group's step time in the latest calm windows
     calm_spans: list[list[int]] = field(default_factory=list)  # their [first, last] training steps
@@ -115,9 +115,8 @@ class StragglerWatch:
     def _judge(self, w: _Window, nodes: list[str]) -> list[tuple[str, Verdict]]:
         out = []
         found = {p: v for p in range(self.processes) if (v := self._candidate(w, p, nodes[p])) is not None}
-        if not found:
-            self._admit_calm(statistics.median(w.step_s), [w.first, w.last])
-        else:
+        calm = not found and self._admit_calm(statistics.median(w.step_s), [w.first, w.last])
+        if found:
             self._slower = 0
         for p in list(self._streak):
             if p not in found:
@@ -129,7 +128,11 @@ class StragglerWatch:
             if self.open.process in found:
                 self._calm = 0
                 self.lost_s += found[self.open.process].lost_s
-            else:
+            elif found or calm:
+                # a calm window, or one another process's own time explains. One with no candidate but still
+                # `factor` slower than the calm clears nothing: the slowdown is not over, the load of the
+                # machine only hid whose it was (a fresh-clone .ci/run: no one was named in process 1's 3x
+                # slowed window 44-53, steps of 0.5-1.9 s against a calm 0.21, and its verdict cleared at 64)
                 self._calm += 1
                 if self._calm >= self.cfg.windows:
                     out.append((CLEARED, self._close()))
@@ -141,16 +144,18 @@ class StragglerWatch:
                 out.append((DECLARED, self.open))
         return out
 
-    def _admit_calm(self, step: float, span: list[int]) -> None:
+    def _admit_calm(self, step: float, span: list[int]) -> bool:
         """A window with no candidate is the new calm unless it is `factor` slower than the calm so far: the
         window a slowdown starts in (half calm, half slow, its process not yet host-bound over the whole
         window) would have made the verdict's slowdown 1.53x where the run showed 1.69x. `windows` such
-        windows in a row are a new pace (a slower group, e.g. after a drain), and become the calm."""
+        windows in a row are a new pace (a slower group, e.g. after a drain), and become the calm. True when
+        the window was taken as calm."""
         if self.calm and step > self.cfg.factor * statistics.median(self.calm) and self._slower < self.cfg.windows - 1:
             self._slower += 1
-            return
+            return False
         self.calm, self._slower = [*self.calm, step][-self.cfg.windows :], 0
         self.calm_spans = [*self.calm_spans, span][-self.cfg.windows :]
+        return True
 
     def _candidate(self, w: _Window, p: int, node: str) -> Verdict | None:
         """Process p's verdict for this window: host-bound, more own time than its peers' median (with 3 or
