@@ -1098,7 +1098,7 @@ MUTATIONS = [
         (
             (
                 "trainer/supervise/straggler.py",
-                "            elif found or calm:\n",
+                "            elif found or self._eased(w):\n",
                 "            else:\n",
             ),
         ),

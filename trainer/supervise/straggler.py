@@ -81,7 +81,7 @@ class StragglerWatch:
     _base: list[dict] = field(default_factory=list)  # every process's counters at the last judged mark
     _streak: dict = field(default_factory=dict)  # process -> (consecutive candidate windows, their sums)
     open: Verdict | None = None  # the verdict standing now
-    _calm: int = 0  # windows since the open verdict's process was last a candidate that were calm (see _judge)
+    _calm: int = 0  # windows since the open verdict's process was last named that eased (_eased) or named another
     lost_s: float = 0.0  # lost to the open verdict's process since it was declared
     calm: list[float] = field(default_factory=list)  # the group's step time in the latest calm windows
     calm_spans: list[list[int]] = field(default_factory=list)  # their [first, last] training steps
@@ -115,8 +115,9 @@ class StragglerWatch:
     def _judge(self, w: _Window, nodes: list[str]) -> list[tuple[str, Verdict]]:
         out = []
         found = {p: v for p in range(self.processes) if (v := self._candidate(w, p, nodes[p])) is not None}
-        calm = not found and self._admit_calm(statistics.median(w.step_s), [w.first, w.last])
-        if found:
+        if not found:
+            self._admit_calm(statistics.median(w.step_s), [w.first, w.last])
+        else:
             self._slower = 0
         for p in list(self._streak):
             if p not in found:
@@ -128,11 +129,7 @@ class StragglerWatch:
             if self.open.process in found:
                 self._calm = 0
                 self.lost_s += found[self.open.process].lost_s
-            elif found or calm:
-                # a calm window, or one another process's own time explains. One with no candidate but still
-                # `factor` slower than the calm clears nothing: the slowdown is not over, the load of the
-                # machine only hid whose it was (a fresh-clone .ci/run: no one was named in process 1's 3x
-                # slowed window 44-53, steps of 0.5-1.9 s against a calm 0.21, and its verdict cleared at 64)
+            elif found or self._eased(w):
                 self._calm += 1
                 if self._calm >= self.cfg.windows:
                     out.append((CLEARED, self._close()))
@@ -144,18 +141,26 @@ class StragglerWatch:
                 out.append((DECLARED, self.open))
         return out
 
-    def _admit_calm(self, step: float, span: list[int]) -> bool:
+    def _eased(self, w: _Window) -> bool:
+        """Whether a window in which no one was named counts toward clearing the open verdict: its step is
+        nearer the calm the verdict was measured against than the pace it named. One still as slow as the
+        verdict's pace is the slowdown going on with the machine's load hiding whose it is (a fresh-clone
+        .ci/run: no one named in process 1's 3x slowed window 44-53, steps of 0.5-1.9 s against a calm 0.21 s,
+        and its verdict cleared at step 64). The window the slowdown ends in counts (one slowed step of ten:
+        about the factor itself, so `factor` would be no line)."""
+        v = self.open
+        return statistics.median(w.step_s) < v.calm_s * (1 + v.slowdown) / 2
+
+    def _admit_calm(self, step: float, span: list[int]) -> None:
         """A window with no candidate is the new calm unless it is `factor` slower than the calm so far: the
         window a slowdown starts in (half calm, half slow, its process not yet host-bound over the whole
         window) would have made the verdict's slowdown 1.53x where the run showed 1.69x. `windows` such
-        windows in a row are a new pace (a slower group, e.g. after a drain), and become the calm. True when
-        the window was taken as calm."""
+        windows in a row are a new pace (a slower group, e.g. after a drain), and become the calm."""
         if self.calm and step > self.cfg.factor * statistics.median(self.calm) and self._slower < self.cfg.windows - 1:
             self._slower += 1
-            return False
+            return
         self.calm, self._slower = [*self.calm, step][-self.cfg.windows :], 0
         self.calm_spans = [*self.calm_spans, span][-self.cfg.windows :]
-        return True
 
     def _candidate(self, w: _Window, p: int, node: str) -> Verdict | None:
         """Process p's verdict for this window: host-bound, more own time than its peers' median (with 3 or
