@@ -211,8 +211,9 @@ def test_a_verdict_clears_after_two_calm_windows_with_the_seconds_lost_since():
 def test_a_window_still_slow_with_no_one_named_clears_nothing():
     """The windows (step, wait; s) of a fresh-clone .ci/run's verdict that cleared early: process 1 slowed 3x
     and named, then a window still 3x slow where the suite's load made it wait on its peer (not host-bound, so
-    no one named), then the window the slowdown ended in (1.4x: one slowed step of ten). Neither is calm: the
-    verdict clears after two calm windows, not at the second of those."""
+    no one named), then the window the slowdown ended in (1.4x: one slowed step of ten). The still-slow one
+    does not count toward clearing (nearer the verdict's pace than its calm); the one it ended in does: the
+    verdict clears at the calm window after it, not a window early."""
     cfg = StragglerConfig(window_steps=10, windows=2, factor=1.2)
     calm, slow = [(0.21, 0.2), (0.21, 0.2)], [(0.65, 0.63), (0.65, 0.005)]
     hidden, ending = [(0.7, 0.55), (0.7, 0.15)], [(0.3, 0.25), (0.3, 0.1)]
