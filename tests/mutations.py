@@ -1106,6 +1106,20 @@ MUTATIONS = [
         catch='[[], [], [], [("straggler", 1)], [], [], [("cleared", 1)]]',
     ),
     M(
+        "bucket_cut_short_upload_dropped",
+        "a staged step sealed on disk whose upload was cut short (its process lost mid-upload) is dropped, not "
+        "uploaded again: the restore falls back to the step before it",
+        (
+            (
+                "trainer/ckpt/tiers.py",
+                " and manifest.sealed(self.durable.step_dir(s))]\n",
+                " and False]\n",
+            ),
+        ),
+        ("tests/test_bucket.py::test_a_step_whose_upload_was_cut_short_is_uploaded_again_not_dropped",),
+        catch='"checkpoint_resealed"] == [13]',
+    ),
+    M(
         "straggler_slowdown_against_its_own_excess",
         "the verdict's slowdown measured against the step without the straggler's excess, not the group's calm "
         "windows: a process sleeping 3x the step reads as a 30x slowdown",

@@ -70,6 +70,24 @@ def test_a_run_whose_durable_tier_is_a_bucket_resumes_from_it_bitwise_and_falls_
 
 
 @pytest.mark.slow
+def test_a_step_whose_upload_was_cut_short_is_uploaded_again_not_dropped(tmp_path, s3):
+    """Stopped at 13, then the bucket loses step 13's manifest (the sealing thread's last write: its process
+    died uploading, as a lost node does). The staged copy is sealed on disk, so the resume uploads it again
+    (`checkpoint_resealed`) and restores 13, not the 10 before it."""
+    run = tmp_path / "run"
+    where = (f"checkpoint.durable_dir=s3://{BUCKET}/runs/r", "runbook.enabled=false")
+    run_trainer(run, *where, "train.stop_at_step=13", worker=True, env=s3.env)
+    kv = s3.kv("runs/r/")
+    kv.write("13/integrity/process_0.json", None).result()  # a write of None deletes the object
+    assert b"13/integrity/process_0.json" not in kv.list().result()
+    run_trainer(run, *where, "train.stop_at_step=14", worker=True, env=s3.env)
+    evs = events(run)
+    assert [e["step"] for e in evs if e["event"] == "checkpoint_resealed"] == [13]
+    assert [(e["step"], e["tier"]) for e in evs if e["event"] == "restore"] == [(13, "durable")]
+    assert b"13/integrity/process_0.json" in kv.list().result()
+
+
+@pytest.mark.slow
 def test_a_gcs_bucket_holds_the_durable_tier_and_a_resume_with_no_staged_copy_reads_it(tmp_path, reference_run, gcs):
     """The same code over GCS's JSON API (gcp-storage-emulator): stopped at 13, the staged copies deleted, the
     resume downloads 13 from the bucket and ends with the uninterrupted run's params; retention deletes there."""

@@ -25,7 +25,7 @@ from trainer.ckpt import files as checkpoint_files
 from trainer.ckpt.checkpoint import Checkpointer, Restored, SaveFailed, agreed
 from trainer.ckpt.files import BUDDY, DURABLE, LOCAL, META, META_FILE, STATE, Meta
 from trainer.config import CheckpointConfig
-from trainer.observe.event_names import CHECKPOINT_FAILED, CHECKPOINT_REJECTED
+from trainer.observe.event_names import CHECKPOINT_FAILED, CHECKPOINT_REJECTED, CHECKPOINT_RESEALED
 from trainer.parallel.distributed import allgather_json
 
 
@@ -176,6 +176,7 @@ class Tiers:
         copy wins: it reads fastest). Bad copies are rejected with an event and moved aside, and the choice
         is made again (another copy of the same step may still serve)."""
         try:
+            self._reseal_staging()
             self._drop_unsealed_staging()
             return self._restore_newest(abstract_state, layout)
         finally:
@@ -198,6 +199,37 @@ class Tiers:
             self.log(CHECKPOINT_REJECTED, step=step, tier=tier, **problem)
             self._move_aside(tier, step, problem)
         return None
+
+    def _reseal_staging(self) -> None:
+        """With a bucket: a staged step sealed on disk (every process's manifest there) that the bucket does
+        not hold sealed had its upload cut short (a process lost mid-upload, its node with it): it is uploaded
+        again, every process its share of the manifests, instead of being dropped for the older step before it
+        (the node-loss test under load lost durable 10 that way, and its requeued job started from step 0). A
+        bucket that does not answer is a storage failure, as for a download."""
+        if self.durable.bucket is None:
+            return
+        todo: list[int] = []
+        if jax.process_index() == 0:
+            sealed = set(self.durable.steps())
+            staged = checkpoint_files.committed_steps(self.durable.directory)
+            todo = [s for s in staged if s not in sealed and manifest.sealed(self.durable.step_dir(s))]
+        todo = allgather_json(todo)[0]
+        i, n = jax.process_index(), jax.process_count()
+        for step in todo:
+            step_dir = self.durable.step_dir(step)
+
+            def upload(step_dir: Path = step_dir) -> None:
+                for m in range(i, len(manifest.read(step_dir)[0]), n):
+                    self.durable.bucket.upload(step_dir, m)
+
+            failed = agreed(lambda upload=upload: _unreadable(upload))
+            if failed is not None:
+                self.durable.failure = (
+                    f"the staged checkpoint of step {step} could not be uploaded to {self.durable.bucket.loc}: "
+                    f"{failed['reason']}. Nothing was deleted; fix the storage, then rerun the same command."
+                )
+                raise SaveFailed(self.durable.failure)
+            self.log(CHECKPOINT_RESEALED, step=step, tier=DURABLE)
 
     def _drop_unsealed_staging(self) -> None:
         """With a bucket: staged steps the bucket does not hold sealed (an upload cut short, a step deleted

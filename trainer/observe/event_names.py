@@ -26,6 +26,7 @@ CHECKPOINT_INTERVAL = "checkpoint_interval"  # checkpoint.every_minutes=auto cho
 CHECKPOINT_SAVED = "checkpoint_saved"
 CHECKPOINT_FAILED = "checkpoint_failed"
 CHECKPOINT_REJECTED = "checkpoint_rejected"  # failed verification or loading; moved aside
+CHECKPOINT_RESEALED = "checkpoint_resealed"  # a staged step whose upload to the bucket was cut short, uploaded again
 SPIKE_DETECTED = "spike_detected"
 SPIKE_EXIT = "spike_exit"  # the worker exits for the spike runbook
 REPLICA_MISMATCH = "replica_mismatch"  # replicas of a parameter diverged: silent data corruption
