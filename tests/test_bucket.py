@@ -73,7 +73,10 @@ def test_a_run_whose_durable_tier_is_a_bucket_resumes_from_it_bitwise_and_falls_
 def test_a_step_whose_upload_was_cut_short_is_uploaded_again_not_dropped(tmp_path, s3):
     """Stopped at 13, then the bucket loses step 13's manifest (the sealing thread's last write: its process
     died uploading, as a lost node does). The staged copy is sealed on disk, so the resume uploads it again
-    (`checkpoint_resealed`) and restores 13, not the 10 before it."""
+    (`checkpoint_resealed`) and restores 13, not the 10 before it. Then step 14 (saved at that resume's stop)
+    loses its manifest on disk too (its process died between Orbax's commit and its checksums): nothing
+    vouches for it, so the next resume drops the staged copy (Orbax would refuse to save 14 again, and the
+    run would crash-loop), restores 13 and saves 14 anew (a periodic save every 7 steps)."""
     run = tmp_path / "run"
     where = (f"checkpoint.durable_dir=s3://{BUCKET}/runs/r", "runbook.enabled=false")
     run_trainer(run, *where, "train.stop_at_step=13", worker=True, env=s3.env)
@@ -85,6 +88,16 @@ def test_a_step_whose_upload_was_cut_short_is_uploaded_again_not_dropped(tmp_pat
     assert [e["step"] for e in evs if e["event"] == "checkpoint_resealed"] == [13]
     assert [(e["step"], e["tier"]) for e in evs if e["event"] == "restore"] == [(13, "durable")]
     assert b"13/integrity/process_0.json" in kv.list().result()
+
+    kv.write("14/integrity/process_0.json", None).result()
+    (run / "checkpoints" / "14" / "integrity" / "process_0.json").unlink()
+    again = ("train.stop_at_step=15", "checkpoint.every_steps=7")  # a save at 14 again
+    proc = run_trainer(run, *where, *again, worker=True, env=s3.env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evs = events(run)
+    assert [e["step"] for e in evs if e["event"] == "checkpoint_resealed"] == [13]
+    assert [(e["step"], e["tier"]) for e in evs if e["event"] == "restore"] == [(13, "durable")] * 2
+    assert b"14/integrity/process_0.json" in kv.list().result()
 
 
 @pytest.mark.slow
@@ -107,8 +120,9 @@ def test_an_endpoint_gone_during_a_save_is_waited_for_and_no_committed_checkpoin
     """First the bucket throttles (HTTP 503 SlowDown) the upload of step 10: retried, sealed, no failure. Then
     the endpoint goes away while step 20 commits (its storage 3 s slow: fault slow_save): the upload fails
     after checkpoint.bucket_patience_s, the worker exits as a storage failure (81), the supervisor alerts and
-    waits for the bucket, restarts once it answers, resumes from 10 (20 never sealed there) and ends with the
-    uninterrupted run's params; every checkpoint the bucket holds at the end verifies."""
+    waits for the bucket, restarts once it answers, uploads 20 again (sealed on disk, not in the bucket),
+    resumes from it and ends with the uninterrupted run's params; every checkpoint the bucket holds at the end
+    verifies."""
     ref = reference_run()
     relay = Relay(s3.port)
     relay.up()
@@ -139,7 +153,8 @@ def test_an_endpoint_gone_during_a_save_is_waited_for_and_no_committed_checkpoin
     assert failed["step"] >= 20 and "s3://ckpt/runs/b/" in failed["message"], failed
     assert [e["exit_code"] for e in evs if e["event"] == "worker_exit"] == [81, 0]
     assert [e["kind"] for e in evs if e["event"] == "alert_cleared"] == ["bucket_down"]
-    assert [e["step"] for e in evs if e["event"] == "restore"] == [10]
+    assert [e["step"] for e in evs if e["event"] == "checkpoint_resealed"] == [20]
+    assert [e["step"] for e in evs if e["event"] == "restore"] == [20]
     assert summary(run)["params_sha256"] == summary(ref)["params_sha256"]
     listed = subprocess.run(
         [sys.executable, "-m", "trainer", "checkpoints", str(run), "--verify", "--json"],
