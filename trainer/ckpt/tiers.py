@@ -232,9 +232,11 @@ class Tiers:
             self.log(CHECKPOINT_RESEALED, step=step, tier=DURABLE)
 
     def _drop_unsealed_staging(self) -> None:
-        """With a bucket: staged steps the bucket does not hold sealed (an upload cut short, a step deleted
-        there) go before anything is restored or saved: the bucket is the record, and Orbax would refuse to
-        save such a step again."""
+        """With a bucket: staged steps the bucket still does not hold sealed after _reseal_staging (sealed
+        nowhere: a process died between Orbax's commit and its checksums) go before anything is restored or
+        saved: the bucket is the record, and Orbax would refuse to save such a step again. (A step deleted
+        from the bucket while its staged copy stayed sealed is uploaded again there: the runbook's rewind and a
+        rejection move the staged copy aside first.)"""
         if self.durable.bucket is None:
             return
         if jax.process_index() == 0:
