@@ -1112,8 +1112,8 @@ MUTATIONS = [
         (
             (
                 "trainer/ckpt/tiers.py",
-                " and manifest.sealed(self.durable.step_dir(s))]\n",
-                " and False]\n",
+                'plan["upload" if manifest.sealed(self.durable.step_dir(step)) else "drop"]',
+                'plan["drop"]',
             ),
         ),
         ("tests/test_bucket.py::test_a_step_whose_upload_was_cut_short_is_uploaded_again_not_dropped",),
@@ -1806,7 +1806,13 @@ MUTATIONS = [
         "bucket_unsealed_staging_kept",
         "a staged step sealed nowhere (its process died before its checksums) stays in the staging directory: the "
         "resumed run cannot save that step again (Orbax: the step exists) and crash-loops",
-        (("trainer/ckpt/tiers.py", "            self._drop_unsealed_staging()\n", ""),),
+        (
+            (
+                "trainer/ckpt/tiers.py",
+                "                shutil.rmtree(self.durable.step_dir(step), ignore_errors=True)\n",
+                "                pass\n",
+            ),
+        ),
         ("tests/test_bucket.py::test_a_step_whose_upload_was_cut_short_is_uploaded_again_not_dropped",),
         catch="assert proc.returncode == 0",
     ),

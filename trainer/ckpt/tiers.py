@@ -176,8 +176,7 @@ class Tiers:
         copy wins: it reads fastest). Bad copies are rejected with an event and moved aside, and the choice
         is made again (another copy of the same step may still serve)."""
         try:
-            self._reseal_staging()
-            self._drop_unsealed_staging()
+            self._settle_staging()
             return self._restore_newest(abstract_state, layout)
         finally:
             self._metas.clear()  # read once per restore: a later save may write a step of the same number
@@ -200,22 +199,27 @@ class Tiers:
             self._move_aside(tier, step, problem)
         return None
 
-    def _reseal_staging(self) -> None:
-        """With a bucket: a staged step sealed on disk (every process's manifest there) that the bucket does
-        not hold sealed had its upload cut short (a process lost mid-upload, its node with it): it is uploaded
-        again, every process its share of the manifests, instead of being dropped for the older step before it
-        (the node-loss test under load lost durable 10 that way, and its requeued job started from step 0). A
-        bucket that does not answer is a storage failure, as for a download."""
+    def _settle_staging(self) -> None:
+        """With a bucket, before anything is restored or saved: each staged step the bucket does not hold sealed
+        is settled. One sealed on disk (every process's manifest there) had its upload cut short (a process lost
+        mid-upload, its node with it): it is uploaded again, every process its share of the manifests, rather
+        than dropped for the older step before it (the node-loss test under load lost durable 10 that way, and
+        its requeued job started from step 0). One sealed nowhere (a process died between Orbax's commit and its
+        checksums) goes: the bucket is the record, and Orbax would refuse to save that step again. A bucket that
+        does not answer is a storage failure, as for a download. (A step deleted from the bucket while its
+        staged copy stayed sealed is uploaded again: the runbook's rewind and a rejection move the staged copy
+        aside first.) One listing of the bucket, by process 0, decides for all."""
         if self.durable.bucket is None:
             return
-        todo: list[int] = []
+        plan: dict[str, list[int]] = {"upload": [], "drop": []}
         if jax.process_index() == 0:
             sealed = set(self.durable.steps())
-            staged = checkpoint_files.committed_steps(self.durable.directory)
-            todo = [s for s in staged if s not in sealed and manifest.sealed(self.durable.step_dir(s))]
-        todo = allgather_json(todo)[0]
+            for step in checkpoint_files.committed_steps(self.durable.directory):
+                if step not in sealed:
+                    plan["upload" if manifest.sealed(self.durable.step_dir(step)) else "drop"].append(step)
+        plan = allgather_json(plan)[0]
         i, n = jax.process_index(), jax.process_count()
-        for step in todo:
+        for step in plan["upload"]:
             step_dir = self.durable.step_dir(step)
 
             def upload(step_dir: Path = step_dir) -> None:
@@ -230,24 +234,13 @@ class Tiers:
                 )
                 raise SaveFailed(self.durable.failure)
             self.log(CHECKPOINT_RESEALED, step=step, tier=DURABLE)
-
-    def _drop_unsealed_staging(self) -> None:
-        """With a bucket: staged steps the bucket still does not hold sealed after _reseal_staging (sealed
-        nowhere: a process died between Orbax's commit and its checksums) go before anything is restored or
-        saved: the bucket is the record, and Orbax would refuse to save such a step again. (A step deleted
-        from the bucket while its staged copy stayed sealed is uploaded again there: the runbook's rewind and a
-        rejection move the staged copy aside first.)"""
-        if self.durable.bucket is None:
-            return
-        if jax.process_index() == 0:
-            sealed = set(self.durable.steps())
-            for step in checkpoint_files.committed_steps(self.durable.directory):
-                if step not in sealed:
-                    shutil.rmtree(self.durable.step_dir(step), ignore_errors=True)
-        if jax.process_count() > 1:
+        if i == 0:
+            for step in plan["drop"]:
+                shutil.rmtree(self.durable.step_dir(step), ignore_errors=True)
+        if n > 1:
             from jax.experimental import multihost_utils
 
-            multihost_utils.sync_global_devices("staging-dropped")
+            multihost_utils.sync_global_devices("staging-settled")
         self.durable.reload()
 
     def _fetch(self, step: int) -> None:
