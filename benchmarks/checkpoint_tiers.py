@@ -35,7 +35,7 @@ def _restore_s(ck, step: int, abstract) -> dict:
 
 
 def _seal_cpu_s(step_dir: Path) -> dict:
-    from trainer.ckpt import manifest
+    from trainer.store import manifest
 
     c0, t0 = time.process_time(), time.perf_counter()
     manifest.write(step_dir, process=0, processes=1, durable=False)

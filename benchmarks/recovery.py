@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from benchmarks import harness
-from trainer.ckpt import manifest
+from trainer.store import manifest
 
 TARGET = 0.5
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from benchmarks import harness
 from trainer.observe.heartbeat import heartbeat_path
-from trainer.observe.rundir import read_json
+from trainer.store.rundir import read_json
 
 PINNED = ("launch.processes=2", "mesh.cpu_devices=1", "mesh.fsdp=1", "mesh.tensor=1", "launch.cpus_per_process=1")
 WINDOW, WATCH_GRACE = 10, 3

@@ -62,7 +62,7 @@ class _Server:
         variables must be in this process's environment: the fixtures put them there)."""
         import tensorstore as ts
 
-        from trainer.ckpt import bucket
+        from trainer.store import bucket
 
         return ts.KvStore.open(bucket.spec(bucket.parse(f"{self.scheme}://{BUCKET}/{prefix}"))).result()
 
@@ -90,7 +90,7 @@ class S3Server(_Server):
 
 class GCSServer(_Server):
     """`gcp-storage-emulator` (PyPI): GCS's JSON API in memory, with the bucket BUCKET. It ignores a list's
-    startOffset/endOffset, which TensorStore's gcs driver sends for every ranged list: trainer.ckpt.bucket
+    startOffset/endOffset, which TensorStore's gcs driver sends for every ranged list: trainer.store.bucket
     filters keys itself and deletes key by key."""
 
     scheme = "gs"

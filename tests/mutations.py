@@ -421,21 +421,21 @@ MUTATIONS = [
     M(
         "retry_waits_do_not_double",
         "retries wait 1, 1, 1 s instead of 1, 2, 4 s",
-        (("trainer/ckpt/manifest.py", "time.sleep(wait_s * 2**attempt)", "time.sleep(wait_s)"),),
+        (("trainer/store/manifest.py", "time.sleep(wait_s * 2**attempt)", "time.sleep(wait_s)"),),
         ("tests/test_integrity.py::test_possibly_transient_read_errors_are_retried_and_others_are_not",),
         catch="the waits do not double",
     ),
     M(
         "retry_waits_start_shorter",
         "the first retry waits 0.5 s, not the README's 1 s",
-        (("trainer/ckpt/manifest.py", "RETRIES, RETRY_WAIT_S = 3, 1.0", "RETRIES, RETRY_WAIT_S = 3, 0.5"),),
+        (("trainer/store/manifest.py", "RETRIES, RETRY_WAIT_S = 3, 1.0", "RETRIES, RETRY_WAIT_S = 3, 0.5"),),
         ("tests/test_integrity.py::test_possibly_transient_read_errors_are_retried_and_others_are_not",),
         catch="calls[1] - calls[0] >= 1.0",
     ),
     M(
         "two_retries",
         "a possibly transient read error is retried twice, not 3 times",
-        (("trainer/ckpt/manifest.py", "RETRIES, RETRY_WAIT_S = 3, 1.0", "RETRIES, RETRY_WAIT_S = 2, 1.0"),),
+        (("trainer/store/manifest.py", "RETRIES, RETRY_WAIT_S = 3, 1.0", "RETRIES, RETRY_WAIT_S = 2, 1.0"),),
         ("tests/test_integrity.py::test_possibly_transient_read_errors_are_retried_and_others_are_not",),
         catch="not 3 retries by default",
     ),
@@ -1515,7 +1515,7 @@ MUTATIONS = [
         "the run dir's JSON writer drops the strict encoding: a NaN loss is written as the non-standard NaN",
         (
             (
-                "trainer/observe/rundir.py",
+                "trainer/store/rundir.py",
                 "return json.dumps(_finite(obj), indent=indent, allow_nan=False)",
                 "return json.dumps(obj, indent=indent)",
             ),
@@ -1608,7 +1608,7 @@ MUTATIONS = [
         "the run dir's lock is a shared one: a second supervisor trains on a run dir another one drives",
         (
             (
-                "trainer/observe/rundir.py",
+                "trainer/store/rundir.py",
                 "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)",
                 "fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)",
             ),
@@ -1750,7 +1750,7 @@ MUTATIONS = [
         "listing a step's manifests fails when retention deletes the step meanwhile: the save dies of it",
         (
             (
-                "trainer/ckpt/manifest.py",
+                "trainer/store/manifest.py",
                 "    except OSError:  # the step dir went while it was listed",
                 "    except ValueError:  # the step dir went while it was listed",
             ),
@@ -1820,7 +1820,7 @@ MUTATIONS = [
         "bucket_download_takes_only_the_first_share",
         "every process of a restore downloads process 0's manifest and files: the shards the other processes "
         "wrote never reach the staging directory, and a multi-process restore from the bucket fails",
-        (("trainer/ckpt/bucket.py", "% share[1] == share[0]]", "% share[1] == 0]"),),
+        (("trainer/store/bucket.py", "% share[1] == share[0]]", "% share[1] == 0]"),),
         ("tests/test_node_loss.py::test_two_nodes_lost_in_turn_heal_from_the_peer_copy_then_from_durable",),
         catch='assert (restored[1].get("tier"), restored[1].get("step")) == ("durable", 10)',
     ),
@@ -1837,7 +1837,7 @@ MUTATIONS = [
         "that ignores the range (the GCS emulator) loses every checkpoint at the first retention",
         (
             (
-                "trainer/ckpt/bucket.py",
+                "trainer/store/bucket.py",
                 "[self.kv.write(k, None) for k in self._list(prefix)]",
                 "[self.kv.write(k, None) for k in self.kv.list(_range(prefix)).result()]",
             ),
@@ -1878,7 +1878,7 @@ MUTATIONS = [
         "a rejected durable checkpoint is moved under the run dir, off the durable tier's file system",
         (
             (
-                "trainer/ckpt/files.py",
+                "trainer/store/ckpt_files.py",
                 'return Path(run_dir) / name if default else durable.parent / f"{durable.name}-{name}"',
                 "return Path(run_dir) / name",
             ),

@@ -102,7 +102,7 @@ def test_kill_after_waits_for_the_checkpoint_to_be_sealed_not_only_committed(tmp
     from conftest import trainer_cmd
 
     from benchmarks import harness
-    from trainer.ckpt import manifest
+    from trainer.store import manifest
 
     run = tmp_path / "run"
     one = ["mesh.cpu_devices=1", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]

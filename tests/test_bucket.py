@@ -1,6 +1,6 @@
 """The durable tier in an S3 bucket (checkpoint.durable_dir=s3://...), against a real S3 server on loopback:
 moto's server mode (tests/buckets.py, the `s3` fixture). Orbax stages each step in RUN_DIR/checkpoints, the
-sealing thread uploads it (manifests last), a restore downloads and verifies it (trainer.ckpt.bucket)."""
+sealing thread uploads it (manifests last), a restore downloads and verifies it (trainer.store.bucket)."""
 
 from __future__ import annotations
 

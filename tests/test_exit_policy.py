@@ -14,7 +14,8 @@ import pytest
 from conftest import ROOT
 
 from trainer.config import SupervisorConfig, load_config
-from trainer.observe import heartbeat, rundir
+from trainer.observe import heartbeat
+from trainer.store import rundir
 from trainer.supervise import exit_codes as ec
 from trainer.supervise import group, supervisor
 

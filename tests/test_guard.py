@@ -9,8 +9,8 @@ import json
 import threading
 import time
 
-from trainer.observe import rundir
-from trainer.observe.rundir import write_json
+from trainer.store import rundir
+from trainer.store.rundir import write_json
 from trainer.supervise import guard
 from trainer.supervise.nodes import read_suspects
 

@@ -20,10 +20,10 @@ import pytest
 from conftest import ROOT, child_env, events, run_trainer, step_losses, summary, trainer_cmd
 from test_layout import _cli
 
-from trainer.ckpt import files as checkpoint_files
-from trainer.ckpt import manifest
-from trainer.ckpt.files import DURABLE, LOCAL
 from trainer.faults import corrupt
+from trainer.store import ckpt_files as checkpoint_files
+from trainer.store import manifest
+from trainer.store.ckpt_files import DURABLE, LOCAL
 from trainer.supervise import exit_codes
 
 

@@ -17,9 +17,9 @@ from conftest import MICRO, ROOT, TINY, child_env, sets, summary
 import trainer
 
 BLOCKED = ("jax", "jaxlib", "flax", "optax", "orbax", "grain", "tensorstore")
-JAX_FREE_PACKAGES = ("config", "supervise", "observe", "survival", "corpus", "drill", "faults")
-# jax-free modules inside a jax-side package: the checkpoint files as the supervisor, status and audit read them
-JAX_FREE_MODULES = ("trainer.ckpt", "trainer.ckpt.files", "trainer.ckpt.manifest", "trainer.ckpt.bucket")
+JAX_FREE_PACKAGES = ("config", "store", "supervise", "observe", "survival", "corpus", "drill", "faults")
+# the checkpoint package's front page (its __init__: a docstring) is read by jax-free code's imports too
+JAX_FREE_MODULES = ("trainer.ckpt",)
 # Importing a blocked package raises at once, wherever the import statement sits (a lazy one too).
 BLOCKER = f"""
 import importlib.abc, sys
@@ -106,19 +106,17 @@ def test_supervisor_status_report_without_jax(tmp_path):
     assert out.returncode == 0 and (tmp_path / "rep" / "goodput.png").is_file(), out.stderr[-2000:]
 
 
-# Imports run down the wall: a module may import its own package, or a unit of a lower rank; never one of its
-# own rank or above. corpus, supervise and survival share a rank, so none of them imports another: each stands
-# on observe and config alone (the jax side above may use any of them).
+# Imports run down the wall: a module may import its own package, or a package of a lower rank; never one of
+# its own rank or above. The unit is the package (no module of a package has a rank of its own): corpus,
+# supervise, survival and faults share a rank, so none of them imports another; each stands on observe, store
+# and config alone (the jax side above may use any of them).
 RANK = {
     "__init__": -1,  # trainer/__init__.py: the package docstring; imports nothing
     "yamltree": 0,  # the YAML parser under config
     "config": 1,  # imports yamltree and nothing else of the project
-    "observe.rundir": 1.2,  # the run dir's names and its atomic writes, under everything that writes there
-    "ckpt.manifest": 1.4,  # checkpoints' content manifests: jax-free, read by observe
-    "ckpt.bucket": 1.45,  # the durable tier in a bucket (TensorStore, imported only when one is configured)
-    "ckpt.files": 1.5,  # checkpoints as files (where each tier lives, which steps are committed): jax-free
+    "store": 1.5,  # the floor: on-disk formats and names (run dir, events, env vars, checkpoint files, bucket)
     "observe": 2,  # the run dir's files, their writers and readers
-    "xla_env": 2.5,  # every XLA flag and GPU variable the trainer sets (observe's env_vars names them): jax-free
+    "xla_env": 2.5,  # every XLA flag and GPU variable the trainer sets (store's env_vars names them): jax-free
     "corpus": 3,
     "supervise": 3,
     "survival": 3,
@@ -127,7 +125,7 @@ RANK = {
     # the jax side, the worker process: each package stands on those before it
     "parallel": 4,  # the mesh, jax.distributed, the group's agreement
     "model": 4.1,
-    "ckpt": 4.2,  # saving and restoring the train state (files and manifests above are jax-free)
+    "ckpt": 4.2,  # saving and restoring the train state (its jax-free files are store's)
     "train": 4.3,  # the worker: state, step, data, loop
     "tools": 4.4,  # inspect, export, sample
     "__main__": 5,  # the CLI
@@ -135,10 +133,9 @@ RANK = {
 
 
 def _unit(dotted: str) -> str:
-    """The wall's unit of a trainer module: its package under trainer/, or its top-level module's name, or
-    the module itself where RANK names it (a jax-free module in a jax-side package)."""
+    """The wall's unit of a trainer module: its package under trainer/, or its top-level module's name."""
     parts = dotted.split(".")
-    return "__init__" if len(parts) == 1 else ".".join(parts[1:3]) if ".".join(parts[1:3]) in RANK else parts[1]
+    return "__init__" if len(parts) == 1 else parts[1]
 
 
 def _imported(module: str, is_package: bool, tree: ast.AST) -> list[tuple[ast.stmt, str]]:
@@ -159,7 +156,7 @@ def _imported(module: str, is_package: bool, tree: ast.AST) -> list[tuple[ast.st
         elif isinstance(node, ast.ImportFrom):
             base = module.split(".")[: len(module.split(".")) - node.level + is_package] if node.level else []
             frm = ".".join(base + ([node.module] if node.module else []))
-            # `from trainer import config` imports trainer.config, `from trainer.ckpt import files` trainer.ckpt.files
+            # `from trainer import config` imports trainer.config, `from trainer.store import bucket` that module
             package = frm == "trainer" or frm.count(".") == 1 and frm.startswith("trainer.")
             out += [(node, f"{frm}.{a.name}") for a in node.names] if package else [(node, frm)]
     return [(node, m) for node, m in out if m == "trainer" or m.startswith("trainer.")]
@@ -216,28 +213,33 @@ def test_no_function_over_60_lines_in_the_supervisor_and_the_loop():
     assert not long_functions(ROOT), long_functions(ROOT)
 
 
-def import_cycles(root: Path) -> list[list[str]]:
-    """Cycles among trainer's modules: every import counts here, those for type annotations only too (a circle
-    of them still means two modules that cannot be read one before the other)."""
+def import_graph(root: Path, unit=lambda module: module) -> dict[str, set[str]]:
+    """Which unit imports which among trainer's modules (`unit` maps a module to its unit: itself, or its
+    package): every import counts here, those for type annotations only too (a circle of them still means
+    two modules that cannot be read one before the other)."""
     mods = {}
     for path in sorted((root / "trainer").rglob("*.py")):
         rel = path.relative_to(root).with_suffix("")
         mods[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = path
-    graph: dict[str, set[str]] = {m: set() for m in mods}
+    graph: dict[str, set[str]] = {unit(m): set() for m in mods}
     for m, path in mods.items():
         is_pkg = path.name == "__init__.py"
         for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
             if isinstance(node, ast.Import):
-                graph[m] |= {a.name for a in node.names if a.name in mods}
+                targets = [a.name for a in node.names if a.name in mods]
             elif isinstance(node, ast.ImportFrom):
                 base = m.split(".")[: len(m.split(".")) - node.level + is_pkg] if node.level else []
                 frm = ".".join(base + ([node.module] if node.module else []))
-                for a in node.names:
-                    target = f"{frm}.{a.name}" if f"{frm}.{a.name}" in mods else frm
-                    if target in mods and target != m:
-                        graph[m].add(target)
+                targets = [f"{frm}.{a.name}" if f"{frm}.{a.name}" in mods else frm for a in node.names]
+            graph[unit(m)] |= {unit(t) for t in targets if t in mods and unit(t) != unit(m)}
+    return graph
+
+
+def cycles_of(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every circle in `graph`, each reported once (as its set of nodes)."""
     cycles, seen = [], set()
-    for start in graph:  # a module that reaches itself; each cycle reported once, as its set of modules
+    for start in graph:  # a node that reaches itself
         stack, path_ = [(start, iter(sorted(graph[start])))], [start]
         while stack:
             node, it = stack[-1]
@@ -247,10 +249,18 @@ def import_cycles(root: Path) -> list[list[str]]:
             elif nxt == start:
                 if frozenset(path_) not in seen:
                     seen.add(frozenset(path_)), cycles.append(list(path_))
-            elif nxt not in path_ and nxt > start:  # only cycles whose smallest module is `start`
+            elif nxt not in path_ and nxt > start:  # only cycles whose smallest node is `start`
                 stack.append((nxt, iter(sorted(graph[nxt])))), path_.append(nxt)
     return cycles
 
 
-def test_no_import_circle():
-    assert not import_cycles(ROOT), import_cycles(ROOT)
+def test_no_import_circle_between_modules():
+    assert not cycles_of(import_graph(ROOT)), cycles_of(import_graph(ROOT))
+
+
+def test_no_import_circle_between_packages():
+    """The packages under trainer/ form a DAG (annotation-only imports count): a package that reaches itself
+    through others cannot be read, tested or moved on its own."""
+    graph = import_graph(ROOT, unit=_unit)
+    assert {"store", "observe", "ckpt", "supervise", "parallel"} <= set(graph)  # the graph is the packages'
+    assert not cycles_of(graph), cycles_of(graph)

@@ -22,7 +22,8 @@ from multihost import ONE, TWO, at_step, audit, group_overrides, heartbeat, refe
 from trainer.config import ConfigError, DataConfig, LaunchConfig, load_config
 from trainer.observe import audit as audit_lib
 from trainer.observe.heartbeat import PULSE_S, PULSE_STALE_S
-from trainer.supervise import exit_codes, launcher, membership, nodes, srun_group
+from trainer.store import membership
+from trainer.supervise import exit_codes, launcher, nodes, srun_group
 from trainer.train import data
 
 

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from trainer.observe import env_vars, progress
+from trainer.observe import progress
 from trainer.observe.progress import Progress
+from trainer.store import env_vars
 
 
 class _Terminal(io.StringIO):

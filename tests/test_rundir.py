@@ -1,4 +1,4 @@
-"""The run dir's one JSON writer (trainer.observe.rundir): strict JSON (a NaN or infinite float is written as
+"""The run dir's one JSON writer (trainer.store.rundir): strict JSON (a NaN or infinite float is written as
 null, which jq, browsers, Go and Rust read; Python's own NaN token they reject), replaced in one rename (no
 temporary file left), read back as None when missing or torn."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 
-from trainer.observe import rundir
+from trainer.store import rundir
 
 
 def test_json_is_strict_nonfinite_floats_are_null_and_a_torn_file_reads_as_none(tmp_path):

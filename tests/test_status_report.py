@@ -14,7 +14,8 @@ import pytest
 from conftest import ROOT, child_env, events, step_losses, trainer_cmd
 from test_first_hour import _figures
 
-from trainer.observe import event_names, goodput, report, runview
+from trainer.observe import goodput, report, runview
+from trainer.store import event_names
 
 PNGS = ("loss.png", "grad_norm.png", "throughput.png", "goodput.png")
 # The worker kills itself with SIGUSR2 at step 12 (the `signal` fault; restart from the step-10 checkpoint),

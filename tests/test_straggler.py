@@ -16,7 +16,7 @@ from multihost import TWO, group_overrides, small_corpus
 
 from trainer.config import StragglerConfig
 from trainer.observe.heartbeat import heartbeat_path
-from trainer.observe.rundir import read_json
+from trainer.store.rundir import read_json
 from trainer.supervise.straggler import StragglerWatch
 
 

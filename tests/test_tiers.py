@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.ckpt import files as checkpoint_files
-from trainer.ckpt import manifest
-from trainer.ckpt.files import DURABLE, LOCAL
+from trainer.store import ckpt_files as checkpoint_files
+from trainer.store import manifest
+from trainer.store.ckpt_files import DURABLE, LOCAL
 
 MESH = {"data": 2, "fsdp": 2, "tensor": 2}  # a local copy records the mesh it was saved under; compared as is
 

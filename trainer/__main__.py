@@ -15,7 +15,7 @@ from pathlib import Path
 
 from trainer import xla_env
 from trainer.config import Config, ConfigError, load_config
-from trainer.observe import env_vars
+from trainer.store import env_vars
 from trainer.supervise import exit_codes
 
 PEER_DEATH_GRACE_S = 0.5  # see run_worker
@@ -147,14 +147,15 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = load_config(args.config, args.set)
-        from trainer.observe import outcome, rundir
+        from trainer.observe import outcome
+        from trainer.store import rundir
 
         if line := outcome.finished(cfg):  # nothing to do: say so, touch nothing
             print(line, file=sys.stderr)
             return 0
         rundir.check_writable(cfg.run.dir)
         if "://" in cfg.checkpoint.durable_dir:  # a bucket that is missing or refuses us: before any write
-            from trainer.ckpt import bucket
+            from trainer.store import bucket
 
             if why := bucket.Bucket(cfg.checkpoint.durable_dir).check():
                 if (

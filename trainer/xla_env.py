@@ -15,7 +15,7 @@ import os
 from collections.abc import MutableMapping
 from typing import TYPE_CHECKING
 
-from trainer.observe import env_vars
+from trainer.store import env_vars
 
 if TYPE_CHECKING:
     from trainer.config import RunConfig

@@ -1,9 +1,9 @@
 """Orbax checkpoints of the whole run, one tier per `Checkpointer`: state (params, optimizer, step, PRNG),
-data cursor, metadata. When to save: trainer.ckpt.save_policy; the files on disk: trainer.ckpt.files.
+data cursor, metadata. When to save: trainer.ckpt.save_policy; the files on disk: trainer.store.ckpt_files.
 
 Saves are async: `save` returns once device arrays are copied to host; Orbax writes and commits the step
 directory atomically in the background, and then a sealing thread checksums what this process committed
-and writes its manifest into the step directory (trainer.ckpt.manifest): the training thread never
+and writes its manifest into the step directory (trainer.store.manifest): the training thread never
 hashes. Retention never deletes the newest sealed checkpoint before a newer one is sealed. A failed write
 (disk full, I/O error) is kept in `failure` for the loop to act on. Choosing, verifying and restoring
 across tiers: trainer.ckpt.tiers.
@@ -25,11 +25,11 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as cm
 
-from trainer.ckpt import bucket, manifest
-from trainer.ckpt import files as checkpoint_files
-from trainer.ckpt.files import BUDDY, DATA, DURABLE, ITEMS, LOCAL, META, STATE, Meta
 from trainer.config import CheckpointConfig
 from trainer.parallel.distributed import allgather_json
+from trainer.store import bucket, manifest
+from trainer.store import ckpt_files as checkpoint_files
+from trainer.store.ckpt_files import BUDDY, DATA, DURABLE, ITEMS, LOCAL, META, STATE, Meta
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
@@ -146,7 +146,7 @@ class Checkpointer:
         commit_delay: Callable[[int], float] | None = None,
         remote: str | None = None,
     ):
-        """`remote`: a bucket URL (durable tier): `directory` stages its steps (trainer.ckpt.bucket)."""
+        """`remote`: a bucket URL (durable tier): `directory` stages its steps (trainer.store.bucket)."""
         self.cfg, self.tier = cfg, tier
         self.bucket = bucket.Bucket(remote, cfg.bucket_patience_s) if remote else None
         self.directory = Path(directory).absolute()

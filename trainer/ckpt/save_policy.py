@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trainer.ckpt.files import DURABLE, LOCAL
 from trainer.config import CheckpointConfig
+from trainer.store.ckpt_files import DURABLE, LOCAL
 
 # "auto" before this run has measured a save: the blocking seconds assumed for the first interval. Low on
 # purpose: a short first interval brings the first measurement, and every save re-derives the interval.

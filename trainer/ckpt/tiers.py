@@ -20,13 +20,14 @@ from typing import Any
 
 import jax
 
-from trainer.ckpt import bucket, buddy, manifest
-from trainer.ckpt import files as checkpoint_files
+from trainer.ckpt import buddy
 from trainer.ckpt.checkpoint import Checkpointer, Restored, SaveFailed, agreed
-from trainer.ckpt.files import BUDDY, DURABLE, LOCAL, META, META_FILE, STATE, Meta
 from trainer.config import CheckpointConfig
-from trainer.observe.event_names import CHECKPOINT_FAILED, CHECKPOINT_REJECTED, CHECKPOINT_RESEALED
 from trainer.parallel.distributed import allgather_json
+from trainer.store import bucket, manifest
+from trainer.store import ckpt_files as checkpoint_files
+from trainer.store.ckpt_files import BUDDY, DURABLE, LOCAL, META, META_FILE, STATE, Meta
+from trainer.store.event_names import CHECKPOINT_FAILED, CHECKPOINT_REJECTED, CHECKPOINT_RESEALED
 
 
 def saved_meta(run_dir: Path, cfg: CheckpointConfig) -> Meta | None:

@@ -20,17 +20,17 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from trainer.ckpt import files as checkpoint_files
-from trainer.ckpt import manifest
 from trainer.ckpt.checkpoint import agreed
-from trainer.ckpt.files import STATE
 from trainer.config import Config, ConfigError, ModelConfig
 from trainer.corpus import shards, tokenizer
 from trainer.model import hf
 from trainer.model.model import GPT
-from trainer.observe import pick, rundir
-from trainer.observe.event_names import DATA_READY
+from trainer.observe import pick
 from trainer.observe.events import iter_events
+from trainer.store import ckpt_files as checkpoint_files
+from trainer.store import manifest, rundir
+from trainer.store.ckpt_files import STATE
+from trainer.store.event_names import DATA_READY
 from trainer.yamltree import build
 
 absl.logging.set_verbosity(absl.logging.ERROR)  # Orbax's info lines ("metadata file does not exist", ...)

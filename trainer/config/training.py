@@ -151,7 +151,7 @@ class CheckpointConfig(Section):
     async_save: bool = True
     verify: bool = True  # content manifests (sha256 per file) written after each save and checked before a restore
     # the durable tier: a directory on any shared file system ("" = RUN_DIR/checkpoints), or a bucket,
-    # s3://BUCKET/PREFIX or gs://BUCKET/PREFIX (staged through RUN_DIR/checkpoints: trainer.ckpt.bucket)
+    # s3://BUCKET/PREFIX or gs://BUCKET/PREFIX (staged through RUN_DIR/checkpoints: trainer.store.bucket)
     durable_dir: str = ""
     # how long a save or a restore waits out a bucket that does not answer (retries with backoff) before it is
     # a storage failure (the supervisor then waits for the bucket, up to supervisor.storage_wait_minutes)
@@ -173,7 +173,7 @@ class CheckpointConfig(Section):
             raise ConfigError(f"{where}.every_minutes must be >= 0 or 'auto', got {m!r}")
         self.every_minutes = m
         if "://" in self.durable_dir:
-            scheme, _, rest = self.durable_dir.partition("://")  # parsed for use by trainer.ckpt.bucket
+            scheme, _, rest = self.durable_dir.partition("://")  # parsed for use by trainer.store.bucket
             if scheme not in ("s3", "gs") or not rest.split("/")[0]:
                 raise ConfigError(
                     f"{where}.durable_dir={self.durable_dir!r}: only s3:// and gs:// buckets are supported, as "

@@ -27,7 +27,7 @@ import numpy as np
 from trainer.config import ConfigError
 from trainer.corpus import shards, sources, tokenizer
 from trainer.corpus.tokenizer import Tok
-from trainer.observe import env_vars
+from trainer.store import env_vars
 
 CHUNK_BYTES = 1 << 18  # documents are sent to tokenizer processes in chunks of about this much text
 

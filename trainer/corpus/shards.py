@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from trainer.config import ConfigError
-from trainer.observe.rundir import write_json
+from trainer.store.rundir import write_json
 
 FORMAT = "trainer-prepared/1"
 META = "meta.json"

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from trainer.config import ConfigError
-from trainer.observe import env_vars
+from trainer.store import env_vars
 
 EOT = "<|endoftext|>"
 # End-of-text tokens a tokenizer.json may carry, in the order they are looked for.

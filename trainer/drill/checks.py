@@ -11,12 +11,13 @@ import dataclasses
 import os
 from pathlib import Path
 
-from trainer.ckpt import files as checkpoint_files
 from trainer.config import Config
 from trainer.drill.plan import AFTER_RESTART, KINDS, MIN_FAULTS, MIN_KINDS, RESTARTS, Planned
-from trainer.observe import audit, rundir
+from trainer.observe import audit
 from trainer.observe.alerts import Kind
-from trainer.observe.event_names import (
+from trainer.store import ckpt_files as checkpoint_files
+from trainer.store import rundir
+from trainer.store.event_names import (
     ALERT,
     ALERT_CLEARED,
     CHECKPOINT_FAILED,

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from trainer.config import ConfigError, load_config
 from trainer.drill import checks, page, plan, run
-from trainer.observe import env_vars, rundir
 from trainer.observe.events import read_events
+from trainer.store import env_vars, rundir
 from trainer.supervise import exit_codes, nodes
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.observe.event_names import HANG_DETECTED, STEP, WORKER_EXIT
+from trainer.store.event_names import HANG_DETECTED, STEP, WORKER_EXIT
 
 
 def table(rows: list[dict]) -> str:

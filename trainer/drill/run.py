@@ -18,10 +18,10 @@ from pathlib import Path
 
 from trainer.config import Config, Fault, dump_yaml
 from trainer.drill.plan import Planned
-from trainer.observe import rundir
 from trainer.observe.events import read_events
 from trainer.observe.heartbeat import heartbeat_path
 from trainer.observe.heartbeat import read as read_heartbeat
+from trainer.store import rundir
 from trainer.supervise import exit_codes
 
 CALIBRATION_STEPS = 20

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.ckpt import files as checkpoint_files
-from trainer.ckpt.files import META, META_FILE, STATE
 from trainer.config import CORRUPT_HOW
+from trainer.store import ckpt_files as checkpoint_files
+from trainer.store.ckpt_files import META, META_FILE, STATE
 
 
 def largest_file(directory: Path) -> Path:

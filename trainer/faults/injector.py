@@ -19,8 +19,8 @@ from pathlib import Path
 
 from trainer.config import Fault
 from trainer.faults import corrupt, lose_node
-from trainer.observe import rundir
-from trainer.observe.rundir import write_json
+from trainer.store import rundir
+from trainer.store.rundir import write_json
 
 
 class InjectedStartupError(RuntimeError):

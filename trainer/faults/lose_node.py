@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from trainer.observe import env_vars
+from trainer.store import env_vars
 
 
 def now(node_local: Path | None) -> NoReturn:

@@ -11,8 +11,10 @@ import statistics
 from pathlib import Path
 
 from trainer.config import Config
-from trainer.observe import health, rundir
-from trainer.observe.event_names import (
+from trainer.observe import health
+from trainer.observe.events import events_newest_first
+from trainer.store import rundir
+from trainer.store.event_names import (
     ALERT,
     ALERT_CLEARED,
     CHECKPOINT_NOW,
@@ -28,7 +30,6 @@ from trainer.observe.event_names import (
     STRAGGLER,
     WORKER_READY,
 )
-from trainer.observe.events import events_newest_first
 
 
 class Kind:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.observe import env_vars, rundir
+from trainer.store import env_vars, rundir
 
 MAX_PROBLEMS = 20  # a broken pipeline breaks every step; the first few say what is wrong
 

@@ -15,11 +15,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from trainer.ckpt import files as checkpoint_files
-from trainer.ckpt import manifest
 from trainer.config import ConfigError
 from trainer.observe import runview
 from trainer.observe.progress import fmt_duration
+from trainer.store import ckpt_files as checkpoint_files
+from trainer.store import manifest
 
 
 @dataclass
@@ -47,7 +47,7 @@ def _local_dirs(run_dir: Path) -> list[tuple[str, Path]]:
 def _bucket_entries(url: str, *, verify: bool) -> list[Entry]:
     """The durable tier in a bucket: its steps as the bucket lists them, checked there (nothing downloaded to
     disk; --verify reads every object once)."""
-    from trainer.ckpt import bucket
+    from trainer.store import bucket
 
     b, out = bucket.Bucket(url), []
     for step in reversed(list(b.steps())):

@@ -20,9 +20,9 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from trainer.observe import env_vars
-from trainer.observe.event_names import DOWNTIME
 from trainer.observe.heartbeat import after_last_pulse
+from trainer.store import env_vars
+from trainer.store.event_names import DOWNTIME
 
 # The boundaries, in order, and the part that ends at each.
 MARKS = ("failed", "noticed", "down", "launched", "started", "restoring", "restored", "ready", "stepped")

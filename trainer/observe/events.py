@@ -16,8 +16,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from trainer.observe.event_names import WORKER_START
-from trainer.observe.rundir import dumps
+from trainer.store.event_names import WORKER_START
+from trainer.store.rundir import dumps
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from trainer.observe.event_names import (
+from trainer.observe.tensorboard import Writer
+from trainer.store.event_names import (
     DOWNTIME,
     HANG_DETECTED,
     RESTART,
@@ -27,7 +28,6 @@ from trainer.observe.event_names import (
     WORKER_EXIT,
     WORKER_START,
 )
-from trainer.observe.tensorboard import Writer
 
 CATEGORIES = ("productive", "recompute", "straggler", "checkpoint", "startup", "shutdown", "restart")
 

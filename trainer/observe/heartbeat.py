@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.config import PHASES, SupervisorConfig
-from trainer.observe import env_vars, rundir
 from trainer.observe.events import NO_SPACE
-from trainer.observe.rundir import read_json, write_json
+from trainer.store import env_vars, rundir
+from trainer.store.rundir import read_json, write_json
 
 PULSE_S = 1.0  # how often each worker says it is alive
 # A pulse this old while a peer's is fresh: the process is frozen or gone (its node lost, powered off, hung in

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.ckpt import files as checkpoint_files
 from trainer.config import FROZEN_KEYS, Config, ConfigError, to_dict
-from trainer.observe import goodput, rundir, runview
-from trainer.observe.event_names import (
+from trainer.observe import goodput, runview
+from trainer.observe.events import events_newest_first, read_events
+from trainer.observe.progress import fmt_loss
+from trainer.store import ckpt_files as checkpoint_files
+from trainer.store import rundir
+from trainer.store.event_names import (
     ATTEMPT_STARTS,
     INIT,
     RESTART,
@@ -19,8 +22,6 @@ from trainer.observe.event_names import (
     WORKER_FINISHED,
     WORKER_START,
 )
-from trainer.observe.events import events_newest_first, read_events
-from trainer.observe.progress import fmt_loss
 
 # What must match the run dir's config.yaml for "already finished" to be the answer; any other change to
 # these goes to the worker, which refuses it (or, for data, compares the corpus fingerprint).

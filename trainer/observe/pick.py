@@ -12,11 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.ckpt import files as checkpoint_files
-from trainer.ckpt import manifest
 from trainer.config import ConfigError
-from trainer.observe import rundir, runview
-from trainer.observe.event_names import SESSION_STARTS
+from trainer.observe import runview
+from trainer.store import ckpt_files as checkpoint_files
+from trainer.store import manifest, rundir
+from trainer.store.event_names import SESSION_STARTS
 
 
 @dataclass(frozen=True)
@@ -37,9 +37,9 @@ def _alone(check: Callable[[], manifest.Problem | None]) -> manifest.Problem | N
 
 
 def steps(run_dir: Path) -> list[int]:
-    """The run's durable checkpoints (in a bucket: its sealed ones, trainer.ckpt.bucket)."""
+    """The run's durable checkpoints (in a bucket: its sealed ones, trainer.store.bucket)."""
     if url := checkpoint_files.durable_url(run_dir):
-        from trainer.ckpt import bucket
+        from trainer.store import bucket
 
         return [s for s, ok in bucket.Bucket(url).steps().items() if ok]
     return checkpoint_files.committed_steps(checkpoint_files.durable_dir(run_dir))
@@ -50,7 +50,7 @@ def _fetched(run: Path | None, step_dir: Path, share: tuple[int, int] | None) ->
     verified and read; a download that failed is the verdict."""
     url = checkpoint_files.durable_url(run) if run else None
     if url:
-        from trainer.ckpt import bucket
+        from trainer.store import bucket
 
         try:
             bucket.Bucket(url).download(int(step_dir.name), step_dir, share or (0, 1))

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import TextIO
 
-from trainer.observe import env_vars
+from trainer.store import env_vars
 
 
 def fmt_duration(s: float) -> str:

@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 
 from trainer.config import ConfigError
-from trainer.observe import goodput, rundir, runview, status
+from trainer.observe import goodput, runview, status
 from trainer.observe.alerts import ALERTS, Kind
-from trainer.observe.event_names import (
+from trainer.store import rundir
+from trainer.store.event_names import (
     ALERT,
     ALERT_CLEARED,
     ATTEMPT_STARTS,

@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 
 from trainer.config import Config, ConfigError, from_tree
-from trainer.observe import goodput, heartbeat, rundir
-from trainer.observe.event_names import (
+from trainer.observe import goodput, heartbeat
+from trainer.observe.events import iter_events
+from trainer.store import rundir
+from trainer.store.event_names import (
     ALERT,
     ALERT_CLEARED,
     ATTEMPT_STARTS,
@@ -24,7 +26,6 @@ from trainer.observe.event_names import (
     SUPERVISOR_START,
     WORKER_START,
 )
-from trainer.observe.events import iter_events
 from trainer.yamltree import read_yaml
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from trainer.config import RunbookConfig
 from trainer.observe.alerts import Do
-from trainer.observe.event_names import SPIKE_DETECTED, STEP
 from trainer.observe.events import events_newest_first
+from trainer.store.event_names import SPIKE_DETECTED, STEP
 
 
 class _Signal:

@@ -11,11 +11,12 @@ import statistics
 import sys
 
 from trainer.config import ConfigError
-from trainer.observe import downtime, goodput, health, rundir
+from trainer.observe import downtime, goodput, health
 from trainer.observe.alerts import Kind
-from trainer.observe.event_names import ALERT, CHECKPOINT_SAVED, COMPILED, HEALTH, RESTART, REWIND, RUNBOOK_EVENTS
 from trainer.observe.progress import fmt_duration, fmt_loss
 from trainer.observe.runview import RunView, latest_evals, ledger_now, load, open_alerts, overdue_limit, run_state
+from trainer.store import rundir
+from trainer.store.event_names import ALERT, CHECKPOINT_SAVED, COMPILED, HEALTH, RESTART, REWIND, RUNBOOK_EVENTS
 
 
 def num(v) -> float:

@@ -1,4 +1,4 @@
-"""Joining the jax.distributed group this process belongs to (membership: trainer.supervise.membership),
+"""Joining the jax.distributed group this process belongs to (membership: trainer.store.membership),
 with CPU collectives over gloo in test mode."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 import warnings
 
 from trainer.config import LaunchConfig
-from trainer.supervise.membership import Membership, detect
+from trainer.store.membership import Membership, detect
 
 
 def initialize(cfg: LaunchConfig, *, cpu: bool) -> Membership:

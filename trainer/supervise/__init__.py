@@ -6,6 +6,7 @@ supervisor.py runs the attempts: each poll reads the heartbeats once (trainer.ob
 the hang check (hang.py) and the straggler watch (straggler.py); when an attempt ends, exit_codes.decide() reads
 the exit policy (exit_codes.POLICY, one record per exit code) and the supervisor carries the decision out: the
 runbook (runbook.py), a wait for disk room (storage.py), a replica rewind (replica_rewind.py), a restart, a
-requeue or giving up. launcher.py, group.py, nodes.py and membership.py start a group of workers (local or one
-srun step) and blame nodes; guard.py requeues a job whose supervisor was lost.
+requeue or giving up. launcher.py, group.py and nodes.py start a group of workers (local or one srun step,
+each process told who it is: trainer.store.membership) and blame nodes; guard.py requeues a job whose
+supervisor was lost.
 """

@@ -36,10 +36,10 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from trainer.observe import env_vars, rundir
-from trainer.observe.event_names import SUPERVISOR_LOST
 from trainer.observe.events import EventLog
-from trainer.observe.rundir import read_json, write_json
+from trainer.store import env_vars, rundir
+from trainer.store.event_names import SUPERVISOR_LOST
+from trainer.store.rundir import read_json, write_json
 from trainer.supervise.nodes import read_suspects, write_suspects
 
 RENEW_S = 1.0

@@ -10,9 +10,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.observe import heartbeat, rundir
+from trainer.observe import heartbeat
 from trainer.observe.alerts import ALERTS, Kind
-from trainer.observe.event_names import ALERT, ALERT_CLEARED, HANG_DETECTED, STACKS_DUMPED
+from trainer.store import rundir
+from trainer.store.event_names import ALERT, ALERT_CLEARED, HANG_DETECTED, STACKS_DUMPED
 from trainer.supervise import group
 
 

@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from trainer.config import ConfigError, LaunchConfig
-from trainer.observe import env_vars, rundir
-from trainer.supervise import guard, membership
+from trainer.store import env_vars, membership, rundir
+from trainer.supervise import guard
 from trainer.supervise.exit_codes import CONSEQUENCES, PEERS_FOLLOW
 from trainer.supervise.group import Group, Merged, die_with_parent, spawn
 from trainer.supervise.nodes import (

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from trainer.config import ConfigError
-from trainer.observe import rundir
+from trainer.store import rundir
 
 # `srun: error: node7: task 1: Killed` / `srun: error: node7: tasks 0-3: Exited with exit code 13`
 TASK_ERROR = re.compile(r"srun: error: (\S+): tasks? [\d,\-]+: (.+)$")

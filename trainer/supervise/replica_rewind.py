@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from trainer.observe import events, rundir
-from trainer.observe.event_names import REPLICA_MISMATCH, REPLICA_REWIND
+from trainer.observe import events
+from trainer.store import rundir
+from trainer.store.event_names import REPLICA_MISMATCH, REPLICA_REWIND
 from trainer.supervise import runbook
 
 

@@ -13,19 +13,13 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from trainer.ckpt import files as checkpoint_files
 from trainer.config import Config, ConfigError, OptimConfig, RunbookConfig
-from trainer.observe import events, rundir
-from trainer.observe.event_names import (
-    REWIND,
-    RUNBOOK_GAVE_UP,
-    RUNBOOK_RETRIES,
-    SKIP,
-    SOFTEN,
-    SPIKE_EXIT,
-)
-from trainer.observe.rundir import write_json
+from trainer.observe import events
 from trainer.observe.tensorboard import Writer
+from trainer.store import ckpt_files as checkpoint_files
+from trainer.store import rundir
+from trainer.store.event_names import REWIND, RUNBOOK_GAVE_UP, RUNBOOK_RETRIES, SKIP, SOFTEN, SPIKE_EXIT
+from trainer.store.rundir import write_json
 
 GIVE_UP = "give_up"  # the third action, after SKIP and SOFTEN (event_names.RUNBOOK_RETRIES)
 ACTION_CODES = {SKIP: 1.0, SOFTEN: 2.0, GIVE_UP: 3.0}  # the runbook/action TensorBoard marker
@@ -127,7 +121,7 @@ def rewind(run_dir: Path, began: int, tag: int) -> tuple[int, list[int]]:
     staged = checkpoint_files.committed_steps(ckpts)
     remote = None
     if url := checkpoint_files.durable_url(run_dir):  # the bucket's steps are the run's; staged copies follow
-        from trainer.ckpt import bucket
+        from trainer.store import bucket
 
         remote = bucket.Bucket(url)
         listing = remote.steps()

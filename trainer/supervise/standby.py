@@ -20,7 +20,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from trainer.observe import env_vars, rundir
+from trainer.store import env_vars, rundir
 from trainer.supervise.group import spawn
 
 

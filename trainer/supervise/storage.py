@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from trainer.ckpt import files as checkpoint_files
 from trainer.observe.alerts import ALERTS, Kind
-from trainer.observe.event_names import ALERT, ALERT_CLEARED
+from trainer.store import ckpt_files as checkpoint_files
+from trainer.store.event_names import ALERT, ALERT_CLEARED
 
 POLL_S = 2.0
 MIN_ROOM = 1 << 20  # before the first checkpoint there is no size to go by
@@ -84,7 +84,7 @@ def _wait_for_bucket(
 ) -> bool:
     """The bucket did not answer a save or a restore: wait until it lists again (an outage, an endpoint
     restarted), with an alert. Then the staging directory's room is checked as for a path."""
-    from trainer.ckpt import bucket
+    from trainer.store import bucket
 
     b = bucket.Bucket(url)
     if (why := b.check()) is None or minutes <= 0:

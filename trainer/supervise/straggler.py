@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 
 from trainer.config import StragglerConfig
 from trainer.observe.alerts import ALERTS, Kind
-from trainer.observe.event_names import ALERT, ALERT_CLEARED, STRAGGLER, STRAGGLER_CLEARED
+from trainer.store.event_names import ALERT, ALERT_CLEARED, STRAGGLER, STRAGGLER_CLEARED
 
 CRITICAL = 0.1  # a process waiting less than this part of the step is the one its peers wait for
 EXPLAINS = 0.5  # ... and its excess own time must account for at least this part of what the group lost

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer.config import Config
-from trainer.observe import downtime, env_vars, goodput, heartbeat, outcome, progress, rundir
-from trainer.observe.event_names import (
+from trainer.observe import downtime, goodput, heartbeat, outcome, progress
+from trainer.observe.events import EventLog, read_events
+from trainer.store import env_vars, rundir
+from trainer.store.event_names import (
     GAVE_UP,
     HANG_DETECTED,
     NODE_RETRIED,
@@ -32,7 +34,6 @@ from trainer.observe.event_names import (
     WORKER_EXIT,
     WORKER_START,
 )
-from trainer.observe.events import EventLog, read_events
 from trainer.supervise import exit_codes, group, hang, launcher, replica_rewind, runbook, storage, straggler
 from trainer.supervise.noise import is_library_noise
 

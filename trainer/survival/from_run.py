@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from trainer.observe import rundir
-from trainer.observe.event_names import CHECKPOINT_SAVED, DOWNTIME, STEP
 from trainer.observe.events import iter_events
+from trainer.store import rundir
+from trainer.store.event_names import CHECKPOINT_SAVED, DOWNTIME, STEP
 
 
 def _nonneg(v: Any) -> bool:

@@ -24,7 +24,7 @@ from trainer.ckpt import weights
 from trainer.config import ConfigError, ModelConfig
 from trainer.model import hf
 from trainer.observe import pick
-from trainer.observe.rundir import write_json
+from trainer.store.rundir import write_json
 from trainer.train.state import params_sha256
 
 CONFIG, MODEL, TOKENIZER = hf.CONFIG, hf.MODEL, "tokenizer.json"

@@ -7,10 +7,11 @@ import os
 import sys
 import time
 
-from trainer.ckpt.files import DURABLE
-from trainer.observe import rundir
 from trainer.observe.alerts import Do
-from trainer.observe.event_names import (
+from trainer.observe.events import iter_events, newest_record
+from trainer.store import rundir
+from trainer.store.ckpt_files import DURABLE
+from trainer.store.event_names import (
     CHECKPOINT_FAILED,
     PREEMPTED,
     REPLICA_MISMATCH,
@@ -19,7 +20,6 @@ from trainer.observe.event_names import (
     STEP,
     STOPPED,
 )
-from trainer.observe.events import iter_events, newest_record
 from trainer.supervise import exit_codes
 from trainer.train.flags import Flags
 from trainer.train.state import params_sha256

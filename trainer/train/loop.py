@@ -22,13 +22,16 @@ import jax
 
 from trainer import xla_env
 from trainer.ckpt import checkpoint, weights
-from trainer.ckpt.files import DURABLE, committed_steps, durable_dir
 from trainer.ckpt.save_policy import Requests, Save, SavePolicy
 from trainer.config import Config, to_dict
 from trainer.model.model import attention_impl
-from trainer.observe import env_vars, outcome, rundir
+from trainer.observe import outcome
 from trainer.observe.audit import AuditLog
-from trainer.observe.event_names import (
+from trainer.parallel import agree
+from trainer.parallel import mesh as mesh_lib
+from trainer.store import env_vars, rundir
+from trainer.store.ckpt_files import DURABLE, committed_steps, durable_dir
+from trainer.store.event_names import (
     CHECKPOINT_INTERVAL,
     CHECKPOINT_SAVED,
     COMPILED,
@@ -38,8 +41,6 @@ from trainer.observe.event_names import (
     RESTORE,
     WORKER_READY,
 )
-from trainer.parallel import agree
-from trainer.parallel import mesh as mesh_lib
 from trainer.supervise import exit_codes
 from trainer.train import data, endings, evaluate, optim, replicas
 from trainer.train.flags import Flags, Shared

@@ -9,9 +9,9 @@ import jax
 
 from trainer.model.model import flops_per_token
 from trainer.observe import downtime
-from trainer.observe.event_names import DOWNTIME, STEP
 from trainer.observe.progress import Progress
 from trainer.parallel import mesh as mesh_lib
+from trainer.store.event_names import DOWNTIME, STEP
 from trainer.train.flags import Flags
 from trainer.train.worker import Worker
 

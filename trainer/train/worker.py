@@ -16,13 +16,20 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from trainer.ckpt import files as checkpoint_files
 from trainer.ckpt import tiers, weights
 from trainer.config import FROZEN_KEYS, Config, ConfigError, dump_yaml, to_dict
 from trainer.faults.injector import FaultInjector
 from trainer.model.model import GPT, abstract_params, mlp_width
-from trainer.observe import alerts, env_vars, rundir
-from trainer.observe.event_names import (
+from trainer.observe import alerts
+from trainer.observe.events import EventLog
+from trainer.observe.heartbeat import Heartbeat, node_name
+from trainer.observe.spikes import SpikeDetector
+from trainer.observe.tensorboard import Writer
+from trainer.parallel import distributed
+from trainer.parallel import mesh as mesh_lib
+from trainer.store import ckpt_files as checkpoint_files
+from trainer.store import env_vars, rundir
+from trainer.store.event_names import (
     CONFIG_CHANGED,
     DATA_READY,
     ELASTIC_MICROBATCHES,
@@ -30,12 +37,6 @@ from trainer.observe.event_names import (
     SESSION_START,
     STACK_CHANGED,
 )
-from trainer.observe.events import EventLog
-from trainer.observe.heartbeat import Heartbeat, node_name
-from trainer.observe.spikes import SpikeDetector
-from trainer.observe.tensorboard import Writer
-from trainer.parallel import distributed
-from trainer.parallel import mesh as mesh_lib
 from trainer.supervise import runbook
 from trainer.train import data, optim
 from trainer.train import state as state_lib

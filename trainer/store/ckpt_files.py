@@ -5,7 +5,7 @@ No jax.
 
 A step directory is committed once it carries its step number as its name: Orbax writes into a temporary
 name and renames it into place when complete. It is sealed once every writing process's content manifest
-is in it (trainer.ckpt.manifest).
+is in it (trainer.store.manifest).
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.ckpt import manifest
-from trainer.observe import rundir
+from trainer.store import manifest, rundir
 from trainer.yamltree import read_yaml
 
 DURABLE, LOCAL = "durable", "local"  # the tiers: shared storage (all processes, one checkpoint), node-local
@@ -48,7 +47,7 @@ def durable_dir(run_dir: str | Path, configured: str | None = None) -> Path:
 
 
 def durable_url(run_dir: str | Path, configured: str | None = None) -> str | None:
-    """checkpoint.durable_dir when it is a bucket (s3://, gs://: trainer.ckpt.bucket), else None."""
+    """checkpoint.durable_dir when it is a bucket (s3://, gs://: trainer.store.bucket), else None."""
     if configured is None:
         configured = saved_durable_dir(run_dir)
     return configured if "://" in (configured or "") else None

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from trainer.config import ConfigError, LaunchConfig
-from trainer.observe import env_vars
+from trainer.store import env_vars
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from trainer.config import ConfigError
 
-# Everything directly under a run dir (the checkpoint folders: trainer.ckpt.files).
+# Everything directly under a run dir (the checkpoint folders: trainer.store.ckpt_files).
 EVENTS = "events.jsonl"
 SUMMARY = "summary.json"
 CONFIG = "config.yaml"  # the resolved config

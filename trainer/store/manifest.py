@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from trainer.observe.rundir import atomic_write
+from trainer.store.rundir import atomic_write
 
 DIR = "integrity"
 _PER_PROCESS = re.compile(r"(?:^|/)(?:ocdbt\.)?process_(\d+)(?:/|$)")
@@ -101,7 +101,7 @@ def judge(
     loaders: dict[str, Callable[[], str | bytes]], *, unfinished: str = "sealing"
 ) -> tuple[dict[int, dict], list[Problem]]:
     """A step's manifests by file name, each read by its loader (from a directory, or from a bucket:
-    trainer.ckpt.bucket), and what is wrong with the set: none, one missing, one torn. `unfinished`: what a
+    trainer.store.bucket), and what is wrong with the set: none, one missing, one torn. `unfinished`: what a
     step with none did not finish."""
     found: dict[int, dict] = {}
     problems: list[Problem] = []

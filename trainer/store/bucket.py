@@ -4,7 +4,7 @@ TensorStore's own kvstore drivers (`s3`, `gcs`). No jax.
 Orbax cannot write s3:// (its spec builder takes every path that is not gs:// for a local file) and commits a
 step by renaming its directory, which a bucket does not have. So Orbax writes each step into a staging
 directory (RUN_DIR/checkpoints: the run dir is on a file system all processes see, as Orbax's multi-process
-commit needs), and once this process's manifest is written (trainer.ckpt.manifest), its sealing thread
+commit needs), and once this process's manifest is written (trainer.store.manifest), its sealing thread
 uploads the files that manifest lists, then the manifest itself. A step is whole in the bucket when every
 process's manifest is there (the same test as on disk), so a save torn anywhere (a process killed, the
 endpoint gone) leaves a step without all its manifests, which nothing restores; deletion removes the
@@ -25,8 +25,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.ckpt import manifest
-from trainer.observe.rundir import atomic_write
+from trainer.store import manifest
+from trainer.store.rundir import atomic_write
 
 SCHEMES = {"s3": "s3", "gs": "gcs"}  # URL scheme -> TensorStore kvstore driver
 _MANIFESTS = manifest.DIR + "/"
@@ -150,7 +150,7 @@ class Bucket:
         return all(f"{_MANIFESTS}process_{i}.json" in names for i in range(processes))
 
     def manifests(self, step: int) -> tuple[dict[int, dict], list[manifest.Problem]]:
-        """A step's manifests in the bucket, and what is wrong with the set (trainer.ckpt.manifest's rules)."""
+        """A step's manifests in the bucket, and what is wrong with the set (trainer.store.manifest's rules)."""
         keys = self._list(f"{step}/{_MANIFESTS}")
         return manifest.judge({k.rsplit("/", 1)[1]: lambda k=k: self.read(k) for k in keys}, unfinished="uploading")
 
