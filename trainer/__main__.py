@@ -117,7 +117,7 @@ def run_worker(cfg: Config) -> int:
             # In training, a collective raises this because a peer died (killed, lost its node): this process is
             # a survivor. A peer that failed by itself left at once (exit 1 below), so its report is on its way;
             # a moment for it to land first, then the launcher blames the peer's node, not ours. Every second
-            # here is downtime for the whole group (it was 3 s).
+            # here is downtime for the whole group, so the grace is short.
             time.sleep(PEER_DEATH_GRACE_S)
             os._exit(exit_codes.PEER_LOST)
         os._exit(2 if isinstance(e, ConfigError) else 1)

@@ -81,7 +81,7 @@ class LaunchConfig(Section):
     # local: process i on its own CPUs, as if on its own host (test mode); 0 = any
     cpus_per_process: NonNegative[int] = 0
     # local: the next attempt's processes start ahead, imports done, and wait (trainer.supervise.standby): a
-    # restart skips ~1 s of start-up, for ~200 MB of host memory per process while nothing fails
+    # restart skips the imports, for an idle process's host memory per worker (docs/multihost.md has the cost)
     standby: bool = True
 
     def check(self, where: str) -> None:

@@ -36,7 +36,7 @@ def truncate(step_dir: Path) -> str:
 
 
 def torn(step_dir: Path) -> str:
-    """The step's metadata item cut in half (what a run once crash-looped on, every restart)."""
+    """The step's metadata item cut in half (a restart that did not reject it would fail on it every time)."""
     f = step_dir / META / META_FILE
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     return f"{META}/{META_FILE}"

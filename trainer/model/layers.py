@@ -5,8 +5,8 @@ attention skips the score blocks the causal mask hides (the same values up to th
 
 Why: what autodiff keeps is sized per layer, and under `model.scan` every kept array becomes an [N, ...]
 stack that the compiled step fills in the forward loop (after zeroing it) and reads back in the backward.
-At the peer dims on 1 CPU device (benchmarks/results/peer.md) autodiff kept, per block, three fp32 copies
-of the activation for each LayerNorm and both an fp32 and a bf16 copy of the L x L attention probabilities.
+Autodiff keeps, per block, three fp32 copies of the activation for each LayerNorm and both an fp32 and a
+bf16 copy of the L x L attention probabilities (docs/model.md has what each change saved).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from jax import lax
 def add_bias(y, bias):
     """y + bias (cast to y's dtype), whose bias gradient is a matmul of the cotangent with ones, accumulated
     in fp32: the plain add's gradient is a reduce over batch and sequence in the compute dtype, which XLA's
-    CPU backend splits into slow reduce-window trees (~7% of a 1-device step at the peer dims)."""
+    CPU backend splits into slow reduce-window trees."""
     return y + bias.astype(y.dtype)
 
 
@@ -49,8 +49,7 @@ add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
 # jax.nn.gelu in bf16 rounds after each of its ~8 elementwise ops, and autodiff's backward chains ~12 more,
 # each rounded too. Here both run in fp32 (jax.nn.gelu on the input cast up, and autodiff of that) and each
 # rounds once (as PyTorch's and Transformer Engine's bf16 GELU do: closer to the exact value); the backward
-# keeps only the input. On 1 CPU device at the peer dims the step ran 3-8% faster. In fp32 it is
-# jax.nn.gelu, bit for bit.
+# keeps only the input, which is also faster. In fp32 it is jax.nn.gelu, bit for bit.
 
 
 def _gelu_f32(x):
@@ -157,7 +156,7 @@ rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 # the score, softmax, P @ V and backward work above the diagonal blocks, all masked to zero, is never done
 # nor kept. With 4 blocks that is 3/8 of the L x L work and residuals (a flash kernel's block skipping,
 # without the kernel). The forward equals jax.nn's up to the order of the sums (the masked terms it adds
-# are exact zeros). On 1 CPU device at the peer dims the step ran 5-15% faster than with 1 block.
+# are exact zeros).
 
 _MASK_VALUE = np.float32(-0.7 * np.finfo(np.float32).max)  # jax.nn's: large, finite after any cast
 

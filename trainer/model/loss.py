@@ -12,7 +12,7 @@ keeps only d x ([B, L, D], the size of x, which it replaces as the residual) and
 scales them by the incoming cotangent (1 in a train step). Three head matmuls a step, as autodiff of the whole
 logits does, not four (recomputing the logits in the backward would add a third of the head's FLOPs: 6% of
 GPT-2 124M's step); in bf16 all three run at the tensor cores' bf16 rate (autodiff of the plain einsum takes
-the fp32 logits' cotangent as an operand, so its two backward matmuls ran in fp32). The head's gradient sums
+the fp32 logits' cotangent as an operand, so its two backward matmuls run in fp32). The head's gradient sums
 per batch shard over the slices in fp32, across shards once, and is rounded to the head's dtype once, as every
 other kernel's is.
 

@@ -246,7 +246,7 @@ class Block(nn.Module):
             qkv_BLTHK = lin("qkv", "BLD,DTHK->BLTHK", (D, 3, H, K), ("embed", None, "heads", "head_dim"), 1)(h_BLD)
             qkv_BLTHK = checkpoint_name(qkv_BLTHK, "qkv")
             # split, not three slices: the backward then concatenates dq, dk and dv into dqkv in one pass;
-            # slices are transposed to three zero-padded copies of dqkv that are summed (~3% of a CPU step).
+            # slices are transposed to three zero-padded copies of dqkv that are summed.
             return tuple(nn.with_logical_constraint(a.squeeze(2), heads) for a in jnp.split(qkv_BLTHK, 3, axis=2))
         q_BLHK = lin("q", "BLD,DHK->BLHK", (D, H, K), ("embed", "heads", "head_dim"), 1)(h_BLD)
         kv_BLTGK = lin("kv", "BLD,DTGK->BLTGK", (D, 2, G, K), ("embed", None, "kv_heads", "head_dim"), 1)(h_BLD)

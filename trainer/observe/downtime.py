@@ -8,7 +8,7 @@ read that event. No jax here.
 
 The failure's moment is an estimate where nobody saw it happen: a process that died or froze is known alive
 at its last pulse (every heartbeat.PULSE_S), so it failed within PULSE_S after it; the midpoint is taken
-(+-0.5 s). A process that exited was seen exiting by the supervisor within a poll; a hang failed at its last
+(+- half a pulse). A process that exited was seen exiting by the supervisor within a poll; a hang failed at its last
 heartbeat.
 """
 

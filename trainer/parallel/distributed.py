@@ -35,9 +35,9 @@ def initialize(cfg: LaunchConfig, *, cpu: bool) -> Membership:
 
 def _wait_for_coordinator(address: str, timeout_s: float) -> None:
     """Until process 0's coordination service listens. jax's client dials once and, refused (the service is not
-    up yet: every process of a restart starts at once), waits gRPC's reconnect backoff, about a second (0.92 s
-    measured, 2 processes on one machine), before it dials again: a second of every restart's downtime, at any
-    scale. A TCP connect every 10 ms costs nothing. Gives up silently at the timeout: jax's own then reports."""
+    up yet: every process of a restart starts at once), waits gRPC's reconnect backoff, about a second, before
+    it dials again: downtime in every restart, at any scale (docs/multihost.md has the number). A TCP connect
+    every 10 ms costs nothing. Gives up silently at the timeout: jax's own then reports."""
     host, port = address.rsplit(":", 1)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -73,9 +73,9 @@ def cache_every_processes_executables() -> None:
     entry: on GPUs every process's key is the same (jax strips the device assignment from it), and process 0's
     entry is the one every process loads at a restart. XLA:CPU keys each process's executable by its own
     topology, so no entry but process 0's is ever written, and every other process compiles the whole step
-    again at every restart (process 1 of a 2-process micro run: ~9 of its ~12 CPU-seconds, the step's compile
-    5.5). That is a cost the GPU restart this CPU group stands in for does not have: with this, a CPU group's
-    restart loads every process's step as a GPU group's does (each process its own key, so still no contention).
+    again at every restart (most of its restart's CPU time: docs/multihost.md). That is a cost the GPU restart
+    this CPU group stands in for does not have: with this, a CPU group's restart loads every process's step as
+    a GPU group's does (each process its own key, so still no contention).
     Touches jax's private compiler._cache_write, checked against jax 0.10.2; if its signature moves, nothing is
     changed (restarts only compile as before)."""
     import inspect

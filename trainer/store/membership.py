@@ -31,8 +31,8 @@ def first_host(nodelist: str) -> str:
 
 
 # Derived coordinator ports stay in [20000, 32768): below Linux's ephemeral range (ip_local_port_range starts
-# at 32768), where any outgoing connection on the coordinator's host may hold the port. Seen in CI: job 13500's
-# second attempt (port 33502) failed "Failed to start RPC server" and its node was blamed for it.
+# at 32768), where any outgoing connection on the coordinator's host may hold the port: the coordinator then
+# fails to start and its node is blamed (docs/multihost.md).
 PORT_LOW, PORT_HIGH = 20000, 32768
 
 

@@ -3,10 +3,9 @@
 Under SLURM the supervisor runs on the job's first node (the batch host). The job is submitted with
 --no-kill so that it outlives the loss of any other node (a spare takes its place). But SLURM keeps such a
 job running when the batch host itself is lost too: it removes the node from the job and leaves an
-allocation with no batch script, no supervisor and nothing training, until its time limit. (Seen with
-slurmctld 22.05 on the test cluster; kill_running_job_by_node_name in today's slurmctld still excises any
-failed node of a --no-kill job, the batch host included.) Every GPU of the allocation idles for the rest of
-the time limit.
+allocation with no batch script, no supervisor and nothing training, until its time limit
+(docs/multihost.md says which slurmctld was seen doing so). Every GPU of the allocation idles for the rest
+of the time limit.
 
 So the supervisor renews a lease (RUN_DIR/heartbeat/supervisor.json, a counter bumped by a thread of its
 own every RENEW_S) and runs one guard on every other node of the allocation, as a job step of its own
@@ -15,9 +14,9 @@ this one has none there). A guard that sees the counter unchanged for STALE_S by
 comparisons between nodes) requeues the job (`scontrol requeue`); SLURM starts it again on nodes that are
 up, and the new supervisor resumes from the newest complete checkpoint in either tier; the guard marks the
 lost batch host suspect first, so no later step trains on it. (Excluding it from the requeued job,
-`scontrol update ExcNodeList`, cannot be relied on from here: the test cluster's slurmctld refused the
-update while the requeue was completing, and the requeue ends the guard's own step. Until SLURM marks the
-node down, the requeued job may be placed there.) A frozen supervisor
+`scontrol update ExcNodeList`, cannot be relied on from here: slurmctld may refuse the update while the
+requeue is completing, and the requeue ends the guard's own step. Until SLURM marks the node down, the
+requeued job may be placed there.) A frozen supervisor
 is caught the same way. A job submitted without --requeue cannot be requeued: the guard then cancels it
 (`scancel`), which at least frees the allocation. What the guard did is in the job's output; the event
 `supervisor_lost` is written before it acts (the requeue ends the guard's own step).

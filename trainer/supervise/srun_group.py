@@ -114,8 +114,8 @@ class SrunGroup(Group):
     def send_signal(self, sig: int) -> None:
         """Signals go to the step's tasks on every node: srun itself would turn SIGTERM into a kill. scancel runs
         beside the supervisor, never in its way: it returns only once every node of the step answered, and a
-        lost node answers never (scancel waits SLURM's MessageTimeout for it: 10 s measured on the test cluster,
-        all of it downtime while the supervisor waited). The live nodes get the signal at once either way."""
+        lost node answers never (scancel waits SLURM's MessageTimeout for it, which would all be downtime if the
+        supervisor waited). The live nodes get the signal at once either way."""
         step = self._step_id() if self._proc.poll() is None else ""
         if sig == signal.SIGKILL or not step:  # no step yet (srun still waiting for nodes): stop srun
             try:

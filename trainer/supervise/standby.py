@@ -1,14 +1,14 @@
 """The next attempt's worker processes, started before anything fails (launch.standby, local mode): each has its
-interpreter up and the trainer imported (jax, flax, optax, orbax, grain: ~1 s of every restart's start-up), then
+interpreter up and the trainer imported (jax, flax, optax, orbax, grain: most of a cold start-up), then
 waits on its stdin. A restart hands each one its attempt's environment in one line and it goes on as a freshly
 launched worker would: jax.distributed, data, restore, compile. Nothing attempt-specific happens before the
 line: no backend is initialised (on a GPU that would take the device's memory from the running worker), no
 checkpoint read; its one write is a file saying it is ready (heartbeat/standby-<pid>.ready).
 
-What it costs while nothing fails: one idle process per worker holding the imported modules (207 MB of host
-memory measured, no GPU memory), and about a CPU-second for its imports, taken once the running group has
-trained 5 s (supervisor.STANDBY_AFTER_S), not beside its start. Never imports jax here: the supervisor
-uses the first half, the worker the second.
+What it costs while nothing fails: one idle process per worker holding the imported modules (host memory,
+no GPU memory), and the CPU time of its imports, taken once the running group has trained
+supervisor.STANDBY_AFTER_S, not beside its start (docs/multihost.md has the numbers). Never imports jax here:
+the supervisor uses the first half, the worker the second.
 """
 
 from __future__ import annotations

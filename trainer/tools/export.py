@@ -97,7 +97,7 @@ def write(out: Path, loaded: weights.Loaded, tok: weights.RunTokenizer) -> list[
 
 def _sort_metadata(path: Path) -> None:
     """safetensors writes the header's __metadata__ from a Rust HashMap, in another order in each process, so two
-    exports of one checkpoint differed in a few header bytes. Rewritten with its keys sorted: the same JSON and
+    exports of one checkpoint would differ in a few header bytes. Rewritten with its keys sorted: the same JSON and
     length (safetensors writes it compact, padded with spaces to 8 bytes), the tensors untouched, and an export
     is a pure function of its checkpoint, byte for byte."""
     with open(path, "r+b") as f:

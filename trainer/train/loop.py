@@ -256,8 +256,8 @@ def _train(w: Worker, flags: Flags, begin: _Start) -> int:
             log.eval_s = _eval(w, ev, st, step)
         # The agreement is not counted as waiting on peers: it reads a key every process published LAG steps ago
         # (peers wait for a lagging one in reading the step's results). It is an RPC to the coordination
-        # service, 1-8 ms a step on XLA:CPU test runs, paid by every process: host time, which cancels out
-        # between processes, where as wait it filled a fast step's 10% "host-bound" line on the straggler.
+        # service paid by every process: host time, which cancels out between processes, where counted as wait
+        # it would fill the straggler watch's "host-bound" line on a fast step.
         shared, save = _agree(w, flags, group, policy, step)
         if shared.spike:
             return endings.spike_exit(w, flags)

@@ -35,10 +35,10 @@ class StepLog:
         self.pending = None  # (step, metrics on device, data wait s)
         self.peer_s = 0.0  # seconds waiting on the group since the last emit: a step call that ran the step
         # On GPUs the step call only queues the step: its time is host work (launching kernels), and a process
-        # waits on its peers when it reads the results. XLA:CPU runs most of the step inside the call (150 of
-        # 167 ms, 2 processes x 4 devices), waiting there for its peers in the collectives: device time; with
-        # one device a process runs all of it there (its results are ready when the call returns: `sync`
-        # counts those steps, whose host work can never overlap the device's).
+        # waits on its peers when it reads the results. XLA:CPU runs much of the step inside the call, waiting
+        # there for its peers in the collectives: device time. A call that returns with its results ready
+        # (`sync` counts those steps) ran all of it: that step's host work can never overlap the device's
+        # (docs/multihost.md#stragglers has the measured shares).
         self.runs_in_call = jax.default_backend() == "cpu"
         self.sync = False
         # What the supervisor's straggler watch compares across processes (trainer.supervise.straggler):
