@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from jaxlib import xla_client
 
+from trainer.store import event_names as E
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
 # One JAX compilation cache per test session, empty at its start as on a fresh CI machine (not the user's
@@ -135,7 +137,7 @@ def step_losses(run_dir: Path) -> dict[int, list[float]]:
     """Every loss logged for every step, across all attempts (a recomputed step logs twice)."""
     out: dict[int, list[float]] = {}
     for e in events(run_dir):
-        if e["event"] == "step":
+        if e["event"] == E.STEP:
             out.setdefault(e["step"], []).append(e["loss"])
     return out
 

@@ -159,7 +159,7 @@ MUTATIONS = [
             ),
         ),
         ("tests/test_multihost.py::test_a_peer_waiting_for_a_slow_save_is_not_a_hang",),
-        catch='e["event"] == "hang_detected"',
+        catch='e["event"] == E.HANG_DETECTED',
     ),
     M(
         "params_sha256_of_the_wrong_tree",
@@ -185,7 +185,7 @@ MUTATIONS = [
             ),
         ),
         ("tests/test_integrity.py::test_a_bitflip_in_one_replica_is_caught_rewound_and_the_run_ends_identical",),
-        catch='"replica_mismatch"',
+        catch="E.REPLICA_MISMATCH",
     ),
     M(
         "manifest_not_verified",
@@ -303,7 +303,7 @@ MUTATIONS = [
         "log.health=false still starts the health collector and alerts",
         (("trainer/observe/alerts.py", "    if not cfg.log.health:\n        return []\n", ""),),
         ("tests/test_eval.py::test_eval_never_changes_training_and_its_loss_falls",),
-        catch='({"health_source", "health"} <= kinds) == on',
+        catch="({E.HEALTH_SOURCE, E.HEALTH} <= kinds) == on",
     ),
     M(
         "audit_cli_exits_0_on_problems",
@@ -564,14 +564,14 @@ MUTATIONS = [
             ),
         ),
         ("tests/test_integrity.py::test_a_bitflip_in_one_replica_is_caught_rewound_and_the_run_ends_identical",),
-        catch='last_good"]) for m in _of(run, "replica_mismatch")] == [(20, 14)]',
+        catch='last_good"]) for m in _of(run, E.REPLICA_MISMATCH)] == [(20, 14)]',
     ),
     M(
         "no_periodic_replica_check",
         "the replica check runs only before saves, not every N steps",
         (("trainer/train/loop.py", "(saving or step % w.cfg.integrity.replica_check_steps == 0)", "(saving)"),),
         ("tests/test_integrity.py::test_a_bitflip_in_one_replica_is_caught_rewound_and_the_run_ends_identical",),
-        catch='last_good"]) for m in _of(run, "replica_mismatch")] == [(20, 14)]',
+        catch='last_good"]) for m in _of(run, E.REPLICA_MISMATCH)] == [(20, 14)]',
     ),
     M(
         "replica_rewind_keeps_newer_checkpoints",
@@ -1054,7 +1054,7 @@ MUTATIONS = [
         "process for a window's steps names it",
         (("trainer/supervise/straggler.py", "            if n >= self.cfg.windows:", "            if n >= 1:"),),
         ("tests/test_straggler.py::test_a_run_that_pauses_once_saves_evaluates_and_restarts_names_no_one",),
-        catch='e["event"] in ("straggler", "alert")',
+        catch='e["event"] in (E.STRAGGLER, E.ALERT)',
     ),
     M(
         "straggler_calm_takes_the_onset_window",
@@ -1117,7 +1117,7 @@ MUTATIONS = [
             ),
         ),
         ("tests/test_bucket.py::test_a_step_whose_upload_was_cut_short_is_uploaded_again_not_dropped",),
-        catch='"checkpoint_resealed"] == [13]',
+        catch="E.CHECKPOINT_RESEALED] == [13]",
     ),
     M(
         "straggler_slowdown_against_its_own_excess",
@@ -1270,7 +1270,7 @@ MUTATIONS = [
         "the drill takes any worker exit for a node loss's detection, not the supervisor blaming the node",
         (("trainer/drill/checks.py", 'e["event"] == NODE_SUSPECT,', 'e["event"] == WORKER_EXIT,'),),
         ("tests/test_drill.py::test_a_drill_inside_a_slurm_allocation_loses_a_node_and_passes",),
-        catch='node["detected_by"] == "node_suspect"',
+        catch='node["detected_by"] == E.NODE_SUSPECT',
     ),
     M(
         "corrupt_spares_the_fast_tier",

@@ -14,6 +14,7 @@ import pytest
 from conftest import ROOT, child_env
 
 from benchmarks import gpu_check, harness, recovery, run_all, table
+from trainer.store import event_names as E
 
 KEYS = (
     "step_overhead_ratio",
@@ -42,11 +43,11 @@ def test_committed_results_have_every_key_and_render():
 def test_recovery_split_adds_up():
     t = 1000.0
     evs = [
-        {"event": "worker_exit", "time": t + 0.4, "by": "supervisor"},
-        {"event": "worker_start", "time": t + 1.5, "by": "supervisor"},
-        {"event": "restore", "time": t + 5.0, "seconds": 1.0},
-        {"event": "compiled", "time": t + 7.0, "seconds": 1.5},
-        {"event": "step", "time": t + 7.8, "step": 9},
+        {"event": E.WORKER_EXIT, "time": t + 0.4, "by": "supervisor"},
+        {"event": E.WORKER_START, "time": t + 1.5, "by": "supervisor"},
+        {"event": E.RESTORE, "time": t + 5.0, "seconds": 1.0},
+        {"event": E.COMPILED, "time": t + 7.0, "seconds": 1.5},
+        {"event": E.STEP, "time": t + 7.8, "step": 9},
     ]
     split = recovery.split_recovery(evs, t)
     want = {

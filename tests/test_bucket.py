@@ -14,6 +14,8 @@ from buckets import BUCKET, Relay, until
 from conftest import ROOT, child_env, events, run_trainer, step_losses, summary, trainer_cmd
 from multihost import audit
 
+from trainer.store import event_names as E
+
 
 @pytest.mark.slow
 def test_a_run_whose_durable_tier_is_a_bucket_resumes_from_it_bitwise_and_falls_back_past_a_flipped_byte(
@@ -44,9 +46,9 @@ def test_a_run_whose_durable_tier_is_a_bucket_resumes_from_it_bitwise_and_falls_
     kill = "faults=[{kind: signal, signal: SIGKILL, step: 17}]"
     run_trainer(run, *where, kill, env=s3.env)
     evs = events(run)
-    rejected = [(e["step"], e["tier"], e["file"]) for e in evs if e["event"] == "checkpoint_rejected"]
+    rejected = [(e["step"], e["tier"], e["file"]) for e in evs if e["event"] == E.CHECKPOINT_REJECTED]
     assert rejected == [(13, "durable", victim.split("/", 1)[1])], rejected
-    restores = [(e["step"], e["tier"]) for e in evs if e["event"] == "restore"]
+    restores = [(e["step"], e["tier"]) for e in evs if e["event"] == E.RESTORE]
     assert restores == [(10, "durable"), (10, "durable")], restores
     assert not any(k.startswith(b"13/") for k in kv.list().result()), "the rejected step stayed in the bucket"
     assert summary(run)["params_sha256"] == summary(ref)["params_sha256"]
@@ -85,8 +87,8 @@ def test_a_step_whose_upload_was_cut_short_is_uploaded_again_not_dropped(tmp_pat
     assert b"13/integrity/process_0.json" not in kv.list().result()
     run_trainer(run, *where, "train.stop_at_step=14", worker=True, env=s3.env)
     evs = events(run)
-    assert [e["step"] for e in evs if e["event"] == "checkpoint_resealed"] == [13]
-    assert [(e["step"], e["tier"]) for e in evs if e["event"] == "restore"] == [(13, "durable")]
+    assert [e["step"] for e in evs if e["event"] == E.CHECKPOINT_RESEALED] == [13]
+    assert [(e["step"], e["tier"]) for e in evs if e["event"] == E.RESTORE] == [(13, "durable")]
     assert b"13/integrity/process_0.json" in kv.list().result()
 
     kv.write("14/integrity/process_0.json", None).result()
@@ -95,8 +97,8 @@ def test_a_step_whose_upload_was_cut_short_is_uploaded_again_not_dropped(tmp_pat
     proc = run_trainer(run, *where, *again, worker=True, env=s3.env, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     evs = events(run)
-    assert [e["step"] for e in evs if e["event"] == "checkpoint_resealed"] == [13]
-    assert [(e["step"], e["tier"]) for e in evs if e["event"] == "restore"] == [(13, "durable")] * 2
+    assert [e["step"] for e in evs if e["event"] == E.CHECKPOINT_RESEALED] == [13]
+    assert [(e["step"], e["tier"]) for e in evs if e["event"] == E.RESTORE] == [(13, "durable")] * 2
     assert b"14/integrity/process_0.json" in kv.list().result()
 
 
@@ -110,7 +112,7 @@ def test_a_gcs_bucket_holds_the_durable_tier_and_a_resume_with_no_staged_copy_re
     run_trainer(run, *where, "train.stop_at_step=13", worker=True, env=gcs.env)
     shutil.rmtree(run / "checkpoints")
     run_trainer(run, *where, worker=True, env=gcs.env)
-    assert [(e["step"], e["tier"]) for e in events(run) if e["event"] == "restore"] == [(13, "durable")]
+    assert [(e["step"], e["tier"]) for e in events(run) if e["event"] == E.RESTORE] == [(13, "durable")]
     assert summary(run)["params_sha256"] == summary(ref)["params_sha256"]
     assert sorted({int(k.decode().split("/")[0]) for k in gcs.kv("runs/g/").list().result()}) == [20, 30]
 
@@ -135,13 +137,13 @@ def test_an_endpoint_gone_during_a_save_is_waited_for_and_no_committed_checkpoin
     env = {**child_env(), **s3.env, "AWS_ENDPOINT_URL": relay.url}
     proc = subprocess.Popen(trainer_cmd(run, *over), cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
-        until(lambda: any(e["event"] == "step" for e in events(run)))
+        until(lambda: any(e["event"] == E.STEP for e in events(run)))
         relay.throttle = 1  # the next connection (the upload of 10: its kept-alive ones are dropped) is throttled
         relay.drop_connections()
-        until(lambda: any(e["event"] == "checkpoint_saved" and e["step"] == 20 for e in events(run)))
+        until(lambda: any(e["event"] == E.CHECKPOINT_SAVED and e["step"] == 20 for e in events(run)))
         assert relay.throttled == 1
         relay.down()  # before the commit (3 s late) and so before the upload
-        until(lambda: any(e["event"] == "alert" and e["kind"] == "bucket_down" for e in events(run)))
+        until(lambda: any(e["event"] == E.ALERT and e["kind"] == "bucket_down" for e in events(run)))
         relay.up()
         _, err = proc.communicate(timeout=300)
     finally:
@@ -149,12 +151,12 @@ def test_an_endpoint_gone_during_a_save_is_waited_for_and_no_committed_checkpoin
         relay.down()
     assert proc.returncode == 0, err[-3000:]
     evs = events(run)
-    [failed] = [e for e in evs if e["event"] == "checkpoint_failed"]
+    [failed] = [e for e in evs if e["event"] == E.CHECKPOINT_FAILED]
     assert failed["step"] >= 20 and "s3://ckpt/runs/b/" in failed["message"], failed
-    assert [e["exit_code"] for e in evs if e["event"] == "worker_exit"] == [81, 0]
-    assert [e["kind"] for e in evs if e["event"] == "alert_cleared"] == ["bucket_down"]
-    assert [e["step"] for e in evs if e["event"] == "checkpoint_resealed"] == [20]
-    assert [e["step"] for e in evs if e["event"] == "restore"] == [20]
+    assert [e["exit_code"] for e in evs if e["event"] == E.WORKER_EXIT] == [81, 0]
+    assert [e["kind"] for e in evs if e["event"] == E.ALERT_CLEARED] == ["bucket_down"]
+    assert [e["step"] for e in evs if e["event"] == E.CHECKPOINT_RESEALED] == [20]
+    assert [e["step"] for e in evs if e["event"] == E.RESTORE] == [20]
     assert summary(run)["params_sha256"] == summary(ref)["params_sha256"]
     listed = subprocess.run(
         [sys.executable, "-m", "trainer", "checkpoints", str(run), "--verify", "--json"],

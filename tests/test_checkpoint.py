@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import events, run_trainer, summary
 
+from trainer.store import event_names as E
+
 pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -m 'not slow')
 
 
@@ -27,7 +29,7 @@ def test_retention_keeps_the_latest_k_plus_every_jth(tmp_path):
     run_trainer(pinned, *overrides, worker=True)
     kept = sorted(int(p.name) for p in (pinned / "checkpoints").iterdir() if p.name.isdigit())
     assert kept[-3:] == [20, 25, 30] and len(kept) == 4 and kept[0] < 20
-    saved = [e["step"] for e in events(run) if e["event"] == "checkpoint_saved"]
+    saved = [e["step"] for e in events(run) if e["event"] == E.CHECKPOINT_SAVED]
     assert saved == [5, 10, 15, 20, 25, 30]
 
 
@@ -44,9 +46,9 @@ def test_saving_is_asynchronous_steps_go_on_while_slow_storage_commits(tmp_path,
     run = tmp_path / "run"
     run_trainer(run, "faults=[{kind: slow_save, step: 10, seconds: 3}]", worker=True)
     evs = events(run)
-    started = next(e["time"] for e in evs if e["event"] == "checkpoint_saved" and e["step"] == 10)
+    started = next(e["time"] for e in evs if e["event"] == E.CHECKPOINT_SAVED and e["step"] == 10)
     committed = _committed_s(run / "checkpoints" / "10")
-    during = [e["step"] for e in evs if e["event"] == "step" and started < e["time"] < committed]
+    during = [e["step"] for e in evs if e["event"] == E.STEP and started < e["time"] < committed]
     print(f"save of step 10: committed {committed - started:.1f}s after the loop went on; steps meanwhile {during}")
     assert during and min(during) >= 10, (during, committed - started)
     assert summary(run)["params_sha256"] == summary(ref)["params_sha256"]  # slow storage changes nothing else
@@ -106,7 +108,7 @@ def test_a_durable_dir_elsewhere_holds_the_run_and_every_reader_finds_it(tmp_pat
     assert (snapshot(run), snapshot(scratch)) == before, "a refused resume wrote"
 
     run_trainer(run, where, worker=True)
-    rejected = [e for e in events(run) if e["event"] == "checkpoint_rejected"]
+    rejected = [e for e in events(run) if e["event"] == E.CHECKPOINT_REJECTED]
     assert [(e["step"], e["tier"]) for e in rejected] == [(13, "durable")], rejected
     assert [p.name.split("-")[0] for p in (scratch / "ckpts-rejected_checkpoints").glob("*")] == ["13"]
     assert summary(run)["params_sha256"] == summary(ref)["params_sha256"]

@@ -19,6 +19,7 @@ from trainer.config import Config, ConfigError, load_config
 from trainer.faults import corrupt
 from trainer.model.model import GPT
 from trainer.observe import heartbeat
+from trainer.store import event_names as E
 
 # Stated sizes (millions of parameters) of every shipped config.
 STATED = {
@@ -159,9 +160,9 @@ def test_harmless_change_resumes_and_is_logged(tmp_path):
     longer = run_trainer(run, "train.steps=32", "checkpoint.every_steps=5", worker=True, env=logged)
     from conftest import events
 
-    changed = [e for e in events(run) if e["event"] == "config_changed"]
+    changed = [e for e in events(run) if e["event"] == E.CONFIG_CHANGED]
     assert any("'steps': 32" in e["change"] for e in changed)
-    assert [e["step"] for e in events(run) if e["event"] == "restore"] == [30]
+    assert [e["step"] for e in events(run) if e["event"] == E.RESTORE] == [30]
     # A longer run is the same executable: the schedule is the step's input (trainer.train.optim.lr_table), so the
     # resume loads the step the 30-step run compiled instead of compiling one for 32 steps
     hit = "Persistent compilation cache hit for 'jit_train_step'"

@@ -16,6 +16,7 @@ from conftest import ROOT, child_env, events, run_trainer, tensorboard, trainer_
 
 from trainer.config import Config
 from trainer.observe import alerts, health
+from trainer.store import event_names as E
 
 STEP_TIMEOUT_S, OVERDUE_FRACTION, POLL_S = 8, 0.25, 0.5
 FAULTS = "faults=[{kind: ecc, step: 8}, {kind: slow, step: 14, seconds: 0.4, count: 5}, {kind: hang, step: 33}]"
@@ -103,7 +104,7 @@ def test_tensorboard_has_every_scalar_group(faulty_run):
         assert tag in scalars, (tag, sorted(scalars))
     assert all(0 < e.value < 1 for e in acc.Scalars("throughput/mfu"))  # nominal CPU peak from tiny.yaml
     assert [e.step for e in acc.Scalars("markers/restart")] == [e.step for e in acc.Scalars("markers/hang")] == [33]
-    ecc = [e["step"] for e in events(run) if e["event"] == "checkpoint_now"]
+    ecc = [e["step"] for e in events(run) if e["event"] == E.CHECKPOINT_NOW]
     assert [e.step for e in acc.Scalars("markers/checkpoint_now")] == ecc and len(ecc) == 1
     assert max(e.value for e in acc.Scalars("goodput/restarts")) == 1
     texts = set(acc.PluginTagToContent("text"))
@@ -115,7 +116,7 @@ def test_tensorboard_has_every_scalar_group(faulty_run):
 def test_injected_faults_raise_their_alerts(faulty_run):
     run, status_during_hang = faulty_run
     evs = events(run)
-    raised = [e for e in evs if e["event"] == "alert"]
+    raised = [e for e in evs if e["event"] == E.ALERT]
     for a in raised:
         assert a["meaning"] and a["runbook"] == alerts.ALERTS[a["kind"]][1]
     # Slow steps 14-18 (0.4 s on ~0.05 s steps): the throughput alert fires inside that stretch.
@@ -123,13 +124,13 @@ def test_injected_faults_raise_their_alerts(faulty_run):
     # ECC rising from step 8: alert, checkpoint-now event, and the loop saves for that reason right away.
     ecc = next(a for a in raised if a["kind"] == "ecc_rising")
     assert 8 <= ecc["step"] <= 12 and ecc["action"] == "checkpoint_now"
-    assert any(e["event"] == "checkpoint_now" and e["step"] == ecc["step"] for e in evs)
-    saved = next(e for e in evs if e["event"] == "checkpoint_saved" and e["reason"] == "ecc_rising")
+    assert any(e["event"] == E.CHECKPOINT_NOW and e["step"] == ecc["step"] for e in evs)
+    saved = next(e for e in evs if e["event"] == E.CHECKPOINT_SAVED and e["reason"] == "ecc_rising")
     assert saved["step"] == ecc["step"] + 1
     # The hang at step 33: the supervisor warns before its timeout kills the worker, and clears it after.
     kinds = [(e["event"], e.get("kind")) for e in evs]
-    i_alert, i_hang = kinds.index(("alert", "step_overdue")), kinds.index(("hang_detected", None))
-    assert i_alert < i_hang < kinds.index(("alert_cleared", "step_overdue"))
+    i_alert, i_hang = kinds.index((E.ALERT, "step_overdue")), kinds.index((E.HANG_DETECTED, None))
+    assert i_alert < i_hang < kinds.index((E.ALERT_CLEARED, "step_overdue"))
     assert "OVERDUE" in status_during_hang and "step_overdue" in status_during_hang, status_during_hang
     # The supervisor wrote the report when the run completed.
     assert "restart" in (run / "report" / "report.md").read_text()
@@ -169,7 +170,7 @@ def test_data_spike_shows_in_grad_norm_no_later_than_in_loss(tmp_path):
     runbook_off = ["runbook.enabled=false"] if "runbook" in Config.__dataclass_fields__ else []
     run = tmp_path / "run"
     run_trainer(run, f"data.path={data_dir}", "data.shuffle=false", *runbook_off, "log.report=true", worker=True)
-    steps = [e for e in events(run) if e["event"] == "step"]
+    steps = [e for e in events(run) if e["event"] == E.STEP]
     grad = _first_spike({e["step"]: e["grad_norm"] for e in steps})
     loss = _first_spike({e["step"]: e["loss"] for e in steps})
     assert grad == 21, grad  # step 21 trains on data batch 20: the corrupt block
@@ -264,9 +265,9 @@ def test_grad_norm_trend_alert_fires_on_a_climb_and_clears():
     series += [1.0] * 60
     for step, g in enumerate(series, 1):
         mon.on_step(step, {"grad_norm": g})
-    fired = [e for e in sink.events if e["event"] == "alert"]
+    fired = [e for e in sink.events if e["event"] == E.ALERT]
     assert len(fired) == 1 and 60 < fired[0]["step"] <= 100
-    assert any(e["event"] == "alert_cleared" for e in sink.events)
+    assert any(e["event"] == E.ALERT_CLEARED for e in sink.events)
 
 
 def _fake_nvml(ecc: list[int]):
@@ -373,6 +374,6 @@ def test_nvml_source_reads_every_gpu_and_a_rising_ecc_count_asks_for_a_checkpoin
     ecc[0] = 3
     collector.sample()
     assert mon.on_step(2, {}) == {"do": "checkpoint_now", "reason": "ecc_rising"}
-    alert = next(e for e in sink.events if e["event"] == "alert")
+    alert = next(e for e in sink.events if e["event"] == E.ALERT)
     assert alert["kind"] == "ecc_rising" and alert["devices"] == ["gpu0"] and "gpu0 +3" in alert["detail"]
     sources[0].close()

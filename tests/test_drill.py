@@ -14,6 +14,7 @@ from conftest import MICRO, ROOT, child_env, sets
 
 from trainer.config import load_config
 from trainer.drill import plan
+from trainer.store import event_names as E
 
 TINY = "configs/tiny.yaml"
 
@@ -100,41 +101,41 @@ def test_each_fault_is_matched_to_its_detection_and_the_first_step_past_where_th
     preempts = [{"kind": "preempt", "step": 21, "time": 150.0}]
 
     def step(s, t):
-        return {"event": "step", "step": s, "time": t}
+        return {"event": E.STEP, "step": s, "time": t}
 
     evs = [
         *(step(s, 90.0 + s * 0.5) for s in range(1, 12)),  # up to step 11 at 95.5
-        {"event": "worker_exit", "exit_code": 13, "time": 100.5},
-        {"event": "restore", "step": 10, "time": 104.0},
+        {"event": E.WORKER_EXIT, "exit_code": 13, "time": 100.5},
+        {"event": E.RESTORE, "step": 10, "time": 104.0},
         *(step(s, 100.0 + s) for s in range(11, 14)),  # 11-13: step 12 again at 112, first new at 112
-        {"event": "hang_detected", "time": 140.0},
-        {"event": "restore", "step": 10, "time": 143.0},
+        {"event": E.HANG_DETECTED, "time": 140.0},
+        {"event": E.RESTORE, "step": 10, "time": 143.0},
         *(step(s, 135.0 + s) for s in range(11, 22)),
-        {"event": "preempted", "by": "supervisor", "time": 151.0},
-        {"event": "restore", "step": 20, "time": 160.0},
+        {"event": E.PREEMPTED, "by": "supervisor", "time": 151.0},
+        {"event": E.RESTORE, "step": 20, "time": 160.0},
         *(step(s, 145.0 + s) for s in range(21, 60)),
-        {"event": "alert", "kind": "throughput_drop", "time": 203.0},
-        {"event": "alert_cleared", "kind": "throughput_drop", "time": 230.0},
+        {"event": E.ALERT, "kind": "throughput_drop", "time": 203.0},
+        {"event": E.ALERT_CLEARED, "kind": "throughput_drop", "time": 230.0},
     ]
     rows = {r["kind"]: r for r in checks.faults(schedule, fired, preempts, evs)}
     crash, hang, pre, slow = rows["crash"], rows["hang_restore"], rows["preempt"], rows["slow"]
-    assert (crash["detected_by"], crash["detect_s"], crash["recomputed"]) == ("worker_exit", 0.5, 1)
+    assert (crash["detected_by"], crash["detect_s"], crash["recomputed"]) == (E.WORKER_EXIT, 0.5, 1)
     assert crash["healed"] and crash["productive_s"] == 12.0  # step 12 (past 11) at 112
-    assert (hang["detected_by"], hang["detect_s"], hang["recomputed"]) == ("hang_detected", 10.0, 3)
+    assert (hang["detected_by"], hang["detect_s"], hang["recomputed"]) == (E.HANG_DETECTED, 10.0, 3)
     assert hang["productive_s"] == 19.0  # step 14 (past 13) at 149
     # the preempted worker ran on to its save (step 20, what the requeued run restores): nothing recomputed
-    assert (pre["detected_by"], pre["recomputed"], pre["productive_s"]) == ("preempted", 0, 16.0)
-    assert (slow["detected_by"], slow["detect_s"], slow["healed"], slow["productive_s"]) == ("alert", 3.0, True, 30.0)
+    assert (pre["detected_by"], pre["recomputed"], pre["productive_s"]) == (E.PREEMPTED, 0, 16.0)
+    assert (slow["detected_by"], slow["detect_s"], slow["healed"], slow["productive_s"]) == (E.ALERT, 3.0, True, 30.0)
     # a preemption at the end: the worker saves the final step and the requeued run completes at once
     end = [step(s, 100.0 + s) for s in range(1, 21)] + [
-        {"event": "preempted", "by": "supervisor", "time": 121.0},
-        {"event": "restore", "step": 20, "time": 125.0},
-        {"event": "run_complete", "time": 126.0},
+        {"event": E.PREEMPTED, "by": "supervisor", "time": 121.0},
+        {"event": E.RESTORE, "step": 20, "time": 125.0},
+        {"event": E.RUN_COMPLETE, "time": 126.0},
     ]
     [last] = checks.faults([P("preempt", 19, None)], [], [{"kind": "preempt", "step": 19, "time": 119.5}], end)
     assert last["healed"] and last["productive_s"] == 6.5 and last["recomputed"] == 0
     # a fault nothing noticed is reported as such
-    [lost] = checks.faults(schedule[:1], fired[:1], [], [e for e in evs if e["event"] != "worker_exit"][:11])
+    [lost] = checks.faults(schedule[:1], fired[:1], [], [e for e in evs if e["event"] != E.WORKER_EXIT][:11])
     assert lost["detected_by"] is None and not lost["healed"]
 
 
@@ -286,10 +287,10 @@ def test_the_setup_lines_name_what_breaks_and_the_fix(tmp_path):
     fast = with_ck(every_steps=0, local_dir=str(tmp_path / "local"), local_every_steps=10)
     lines = checks.setup(fast, [], crashes, run)
     assert lines[0].startswith("a fast tier only") and lines[1].startswith("fast tier on the same disk")
-    full = [{"event": "checkpoint_failed", "message": "No space left on device"}]
+    full = [{"event": E.CHECKPOINT_FAILED, "message": "No space left on device"}]
     [line] = checks.setup(cfg, full, crashes, run)
     assert "could not be written: No space left on device" in line and "keep_latest (3) + 1" in line
-    injected = [{"event": "checkpoint_failed", "message": "No space left on device (injected: disk_full fault)"}]
+    injected = [{"event": E.CHECKPOINT_FAILED, "message": "No space left on device (injected: disk_full fault)"}]
     assert checks.setup(cfg, injected, crashes, run) == []  # the drill's own disk_full: no setup problem
     [line] = checks.setup(
         dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, compile_cache="")), [], crashes, run
@@ -315,13 +316,13 @@ def test_startup_and_restore_hangs_wait_for_a_restart_from_their_step(tmp_path):
     fired = [json.loads(line) for line in (run / "faults.jsonl").read_text().splitlines()]
     assert [(f["kind"], f["phase"]) for f in fired] == [("crash", "step"), ("hang", "startup"), ("hang", "restore")]
     evs = events(run)
-    hangs = [e for e in evs if e["event"] == "hang_detected"]  # (a slow fresh start is no hang: 10 s)
+    hangs = [e for e in evs if e["event"] == E.HANG_DETECTED]  # (a slow fresh start is no hang: 10 s)
     assert [h["phase"] for h in hangs] == ["startup", "restore"] and hangs[0]["time"] > fired[1]["time"], hangs
     # each fired in a phase that found checkpoint 10 or 20 committed, never in the start's (0); the last
     # attempt restored 10 or 20 (the newest sealed one: 20's manifest may not have been written)
-    [restored] = [e["step"] for e in evs if e["event"] == "restore"]
+    [restored] = [e["step"] for e in evs if e["event"] == E.RESTORE]
     assert all(f["step"] in (10, 20) for f in fired[1:]) and 10 <= restored <= fired[2]["step"], (fired, restored)
-    assert evs[-1]["event"] == "run_complete"
+    assert evs[-1]["event"] == E.RUN_COMPLETE
 
 
 @pytest.mark.slow
@@ -334,13 +335,13 @@ def test_a_disk_full_fault_fails_its_save_and_the_run_restarts_when_there_is_roo
     run = tmp_path / "run"
     run_trainer(run, "checkpoint.every_steps=5", "faults=[{kind: disk_full, step: 12}]")
     evs = events(run)
-    failures = [e for e in evs if e["event"] == "checkpoint_failed"]
+    failures = [e for e in evs if e["event"] == E.CHECKPOINT_FAILED]
     assert len(failures) == 1, [e["event"] for e in evs]  # the save it names failed, and only that one
     (failed,) = failures
     assert failed["step"] == 15 and "the disk is full" in failed["message"] and "injected" in failed["message"]
-    assert [(e["reason"], e["step"]) for e in evs if e["event"] == "restart"] == [("disk full", 15)]
-    assert not [e for e in evs if e["event"] == "alert" and e.get("kind") == "disk_full"]  # room at once
-    assert [e["step"] for e in evs if e["event"] == "restore"] == [10] and evs[-1]["event"] == "run_complete"
+    assert [(e["reason"], e["step"]) for e in evs if e["event"] == E.RESTART] == [("disk full", 15)]
+    assert not [e for e in evs if e["event"] == E.ALERT and e.get("kind") == "disk_full"]  # room at once
+    assert [e["step"] for e in evs if e["event"] == E.RESTORE] == [10] and evs[-1]["event"] == E.RUN_COMPLETE
     assert summary(run)["params_sha256"] == summary(reference_run())["params_sha256"]
 
 
@@ -358,8 +359,8 @@ def test_a_corrupt_fault_hits_the_checkpoint_the_restart_reads_first(tmp_path, r
     [_, fired] = [json.loads(line) for line in (run / "faults.jsonl").read_text().splitlines()]
     assert fired["hit"].startswith("local:15/state/"), fired
     evs = events(run)
-    assert [(e["step"], e["tier"]) for e in evs if e["event"] == "checkpoint_rejected"] == [(15, "local")]
-    assert [(e["step"], e["tier"]) for e in evs if e["event"] == "restore"] == [(10, "durable")]
+    assert [(e["step"], e["tier"]) for e in evs if e["event"] == E.CHECKPOINT_REJECTED] == [(15, "local")]
+    assert [(e["step"], e["tier"]) for e in evs if e["event"] == E.RESTORE] == [(10, "durable")]
     assert summary(run)["params_sha256"] == summary(reference_run())["params_sha256"]
 
 
@@ -419,13 +420,13 @@ def test_a_drill_inside_a_slurm_allocation_loses_a_node_and_passes(tmp_path):
     assert res["launch"] == "slurm" and res["spare_nodes"] == 1, res
     rows = res["faults"]
     [node] = [r for r in rows if r["kind"] == "node"]
-    assert node["detected_by"] == "node_suspect" and node["healed"], node
+    assert node["detected_by"] == E.NODE_SUSPECT and node["healed"], node
     # the node first, then (at a step time over ~0.12 s, as here) a preemption or more: every planned fault fired
     assert [r["kind"] for r in rows] == [p["kind"] for p in res["planned"]] and all(r["healed"] for r in rows), rows
     starts = [
         e
         for e in map(json.loads, (work / "run" / "events.jsonl").read_text().splitlines())
-        if e["event"] == "worker_start"
+        if e["event"] == E.WORKER_START
     ]
     lost = starts[0]["nodes"][1]
     assert all(lost not in s["nodes"] for s in starts[1:]) and len(starts[-1]["nodes"]) == 2, starts

@@ -11,6 +11,8 @@ import pytest
 from conftest import events, run_trainer, step_losses, summary, tensorboard
 from corpora import code_jsonl, prepared
 
+from trainer.store import event_names as E
+
 pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -m 'not slow')
 
 EVAL = ["eval.every_steps=10", "eval.batches=2"]
@@ -33,7 +35,7 @@ def with_eval(tmp_path_factory, bpe):
 
 
 def _evals(run) -> dict[int, dict]:
-    return {e["step"]: e for e in events(run) if e["event"] == "eval"}
+    return {e["step"]: e for e in events(run) if e["event"] == E.EVAL}
 
 
 def test_eval_never_changes_training_and_its_loss_falls(tmp_path, bpe, with_eval):
@@ -54,7 +56,7 @@ def test_eval_never_changes_training_and_its_loss_falls(tmp_path, bpe, with_eval
     assert sorted(ev) == [10, 20, 30] and not _evals(tmp_path / "off")
     assert ev[10]["loss"] > ev[20]["loss"] > ev[30]["loss"] and ev[30]["batches"] == 2
     assert math.isclose(ev[30]["perplexity"], math.exp(ev[30]["loss"]), rel_tol=1e-9)
-    ready = next(e for e in events(with_eval) if e["event"] == "data_ready")
+    ready = next(e for e in events(with_eval) if e["event"] == E.DATA_READY)
     assert (ready["tokenizer"], ready["vocab_size"], ready["dir"]) == ("bpe:512", 512, str(bpe))
 
     tb = tensorboard(with_eval / "tb")
@@ -67,9 +69,9 @@ def test_eval_never_changes_training_and_its_loss_falls(tmp_path, bpe, with_eval
     for run, on in ((with_eval, True), (tmp_path / "off", False)):
         kinds = {e["event"] for e in events(run)}
         tags = set(tensorboard(run / "tb").Tags()["scalars"])
-        assert ({"health_source", "health"} <= kinds) == on and any(t.startswith("health/") for t in tags) == on
+        assert ({E.HEALTH_SOURCE, E.HEALTH} <= kinds) == on and any(t.startswith("health/") for t in tags) == on
     off = {e["event"] for e in events(tmp_path / "off")}  # the ECC count rose from step 3 (an alert with health on)
-    assert not off & {"alert", "checkpoint_now"}, off
+    assert not off & {E.ALERT, E.CHECKPOINT_NOW}, off
 
 
 # An eval slower than the step timeout is no hang (eval is a heartbeat phase of its own); a hung eval is
@@ -84,10 +86,10 @@ def test_a_killed_run_on_prepared_data_resumes_bitwise(tmp_path, bpe, with_eval)
     run = tmp_path / "run"
     timeouts = ("supervisor.step_timeout_s=4", "supervisor.eval_timeout_s=8")
     run_trainer(run, f"data.path={bpe}", "model.vocab_size=512", DROPOUT, *EVAL, EVAL_FAULTS, *timeouts)
-    hangs = [(e["phase"], e["step"], e["timeout_s"]) for e in events(run) if e["event"] == "hang_detected"]
+    hangs = [(e["phase"], e["step"], e["timeout_s"]) for e in events(run) if e["event"] == E.HANG_DETECTED]
     assert hangs == [("eval", 20, 8)], hangs  # the slow eval at step 10 (7 s > the step's 4 s) was not one
     # Saves are asynchronous: on a loaded machine the one at step 20 may not be committed by step 27.
-    restores = [e["step"] for e in events(run) if e["event"] == "restore"]
+    restores = [e["step"] for e in events(run) if e["event"] == E.RESTORE]
     assert summary(run)["restarts"] == 2 and restores in ([10, 20], [10, 10]), restores
     assert summary(run)["params_sha256"] == summary(with_eval)["params_sha256"]
     assert all(set(v) == set(step_losses(with_eval)[k]) for k, v in step_losses(run).items())

@@ -161,5 +161,6 @@ def test_a_hang_reads_each_heartbeat_once_in_its_poll_and_once_after_the_exit(tm
     assert sorted(reads) == ["worker-0.json", "worker-1.json"], reads  # one poll, one read of each
     ended = sup._ended(att, -signal.SIGKILL)
     assert len(reads) == 4 and (ended.step, ended.hung) == (9, True)
+    # the event's name as a literal on purpose: the file on disk says "hang_detected" (its format, not E's spelling)
     [hang] = [json.loads(x) for x in (tmp_path / rundir.EVENTS).read_text().splitlines() if "hang_detected" in x]
     assert (hang["step"], hang["phase"], hang["timeout_s"]) == (9, "step", 5), hang

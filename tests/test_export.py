@@ -34,6 +34,8 @@ from multihost import reference as group_reference
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
+from trainer.store import event_names as E
+
 pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -m 'not slow')
 
 # --- an independent GPT-2 (Radford et al. 2019, as Hugging Face's GPT2LMHeadModel computes it) ----------
@@ -182,7 +184,7 @@ def bpe_export(tmp_path_factory) -> tuple[Path, Path, Path]:
         worker=True,
     )
     export(run, out)
-    return run, Path(next(e["dir"] for e in events(run) if e["event"] == "data_ready")), out
+    return run, Path(next(e["dir"] for e in events(run) if e["event"] == E.DATA_READY)), out
 
 
 def trainer_logits(run: Path, ids: list[int]) -> np.ndarray:
@@ -485,7 +487,7 @@ def test_init_from_a_finished_run_live_export_and_bitwise_resume(group, fine_tun
         f"{fresh_first:.4f}"
     )
     assert abs(first - old_last) < 0.25 * abs(fresh_first - old_last)
-    init = [e for e in events(fine_tuned) if e["event"] == "init_from"]
+    init = [e for e in events(fine_tuned) if e["event"] == E.INIT_FROM]
     assert len(init) == 1 and init[0]["from_step"] == 30 and init[0]["verified"]
     assert weights.read_meta(fine_tuned / "checkpoints" / "8")["init_from"]["checkpoint"] == str(
         source / "checkpoints" / "30"
@@ -524,8 +526,8 @@ def test_init_from_a_finished_run_live_export_and_bitwise_resume(group, fine_tun
         worker.send_signal(signal.SIGKILL)
         worker.wait()
     run_trainer(run, *overrides, worker=True)
-    assert [e["event"] for e in events(run)].count("init_from") == 1
-    assert [e["step"] for e in events(run) if e["event"] == "restore"] == [3]
+    assert [e["event"] for e in events(run)].count(E.INIT_FROM) == 1
+    assert [e["step"] for e in events(run) if e["event"] == E.RESTORE] == [3]
     assert summary(run)["params_sha256"] == summary(fine_tuned)["params_sha256"]
     assert {k: v[-1] for k, v in step_losses(run).items()} == {k: v[0] for k, v in step_losses(fine_tuned).items()}
 

@@ -19,6 +19,7 @@ from conftest import MICRO, ROOT, TINY, child_env, events, run_trainer, sets, sn
 
 from trainer.__main__ import SUBCOMMANDS
 from trainer.observe import goodput, report, runview, status
+from trainer.store import event_names as E
 
 DONE = ["train.steps=12", "checkpoint.every_steps=6", "log.report=true"]
 NOBODY = 65534
@@ -168,7 +169,7 @@ def test_a_run_records_its_attention_device_and_xla_flags(done):
     from trainer.config import load_config
 
     run = done[0]
-    (c,) = [e for e in events(run) if e["event"] == "compiled"]
+    (c,) = [e for e in events(run) if e["event"] == E.COMPILED]
     want = {"attention": "xla", "platform": "cpu", "device_kind": "cpu", "xla_flags": os.environ["XLA_FLAGS"]}
     assert {k: c.get(k) for k in want} == want and c["gpu_mem_fraction"] == "", c  # the suite's flags, inherited
     meta = tiers.saved_meta(run, load_config(None, []).checkpoint).record
@@ -184,7 +185,7 @@ def test_mfu_counts_attentions_causal_half_and_keeps_the_whole_beside_it(done):
     PaLM's): at the step's own tokens/s they differ by exactly that half over the peak."""
     peak = 2.5e10 * 8  # tiny.yaml's nominal log.peak_flops, per device, x its 8 fake devices
     half = 6 * 2 * 64 * 64  # MICRO: 2 layers, d_model 64, seq_len 64
-    steps = [e for e in events(done[0]) if e["event"] == "step"]
+    steps = [e for e in events(done[0]) if e["event"] == E.STEP]
     assert len(steps) == 12
     for e in steps:
         assert 0 < e["mfu"] < e["mfu_full_attn"], e
@@ -304,7 +305,7 @@ def test_strict_json_and_no_nan_in_what_status_says(tmp_path):
         _strict(line)
     s = _strict((run / "summary.json").read_text())
     assert s["final_loss"] is None and s["final_step"] == 10
-    assert [e["loss"] for e in events(run) if e["event"] == "step"][-1] is None
+    assert [e["loss"] for e in events(run) if e["event"] == E.STEP][-1] is None
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["10"]  # every_steps=0: the final save only
     out = _cli("status", str(run)).stdout
     assert "final loss not finite (NaN/Inf)" in out and "loss      not finite" in out and "loss nan" not in out, out
@@ -361,7 +362,7 @@ def test_report_plots_and_text_say_only_what_happened(done, tmp_path, monkeypatc
     assert ax.get_title() == "Loss" and [ln.get_linestyle() for ln in ax.get_lines()] == ["-"]  # one attempt
     (ax,) = figs["throughput.png"].axes
     marks = sorted(ln.get_xdata()[0] for ln in ax.get_lines() if ln.get_color() == "gray")
-    assert marks == [6, 12] == sorted(e["step"] for e in events(run) if e["event"] == "checkpoint_saved"), marks
+    assert marks == [6, 12] == sorted(e["step"] for e in events(run) if e["event"] == E.CHECKPOINT_SAVED), marks
     assert "checkpoint mark" in ax.get_title() and "MFU" in ax.get_title()
     assert [a.get_ylabel() for a in ax.child_axes] == ["MFU % (right axis)"]  # tiny.yaml logs MFU
     # Without an MFU series there is no MFU axis and the title does not promise one.

@@ -9,6 +9,7 @@ import json
 import threading
 import time
 
+from trainer.store import event_names as E
 from trainer.store import rundir
 from trainer.store.rundir import write_json
 from trainer.supervise import guard
@@ -47,5 +48,5 @@ def test_the_guard_waits_out_a_renewed_lease_and_requeues_once_it_stops(tmp_path
     suspects = read_suspects(run / rundir.SUSPECT_NODES)
     assert list(suspects) == ["n1"] and "batch host" in suspects["n1"]["reason"]
     [lost] = [json.loads(line) for line in (run / rundir.EVENTS).read_text().splitlines()]
-    assert (lost["event"], lost["node"], lost["guard_node"]) == ("supervisor_lost", "n1", "n2")
+    assert (lost["event"], lost["node"], lost["guard_node"]) == (E.SUPERVISOR_LOST, "n1", "n2")
     assert lost["silent_s"] >= STALE_S

@@ -22,6 +22,7 @@ from test_layout import _cli
 
 from trainer.faults import corrupt
 from trainer.store import ckpt_files as checkpoint_files
+from trainer.store import event_names as E
 from trainer.store import manifest
 from trainer.store.ckpt_files import DURABLE, LOCAL
 from trainer.supervise import exit_codes
@@ -88,10 +89,10 @@ def test_a_bad_newest_checkpoint_is_rejected_and_the_previous_one_used(tmp_path,
     # what was rejected and restored is asserted before the exit code: a restore that went wrong also ends
     # the run badly, and the assertion that names the wrong choice is the one to fail
     proc = run_trainer(run, "checkpoint.every_steps=5", worker=True, check=False)
-    rejected = _of(run, "checkpoint_rejected")
+    rejected = _of(run, E.CHECKPOINT_REJECTED)
     assert [(e["step"], e["tier"], e["file"]) for e in rejected] == [(20, "durable", bad_file)], rejected
     assert reason in rejected[0]["reason"], rejected
-    assert [(e["step"], e["tier"]) for e in _of(run, "restore")] == [(15, "durable")]  # the previous, not the oldest
+    assert [(e["step"], e["tier"]) for e in _of(run, E.RESTORE)] == [(15, "durable")]  # the previous, not the oldest
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [p.name.split("-")[0] for p in (run / checkpoint_files.REJECTED).iterdir()] == ["20"]
     _same_as(run, ref)
@@ -178,15 +179,15 @@ def test_a_bitflip_in_one_replica_is_caught_rewound_and_the_run_ends_identical(t
     run = tmp_path / "run"
     proc = run_trainer(run, "integrity.replica_check_steps=7", "faults=[{kind: bitflip, step: 15}]")
     # caught before the save of 20, not by the periodic check of 21; the last check passed: the periodic one of 14
-    assert [(m["step"], m["last_good"]) for m in _of(run, "replica_mismatch")] == [(20, 14)]
-    (mismatch,) = _of(run, "replica_mismatch")
+    assert [(m["step"], m["last_good"]) for m in _of(run, E.REPLICA_MISMATCH)] == [(20, 14)]
+    (mismatch,) = _of(run, E.REPLICA_MISMATCH)
     odd = [d for d in mismatch["devices"] if d["odd"]]
     assert {d["data"] for d in odd} == {0, 1} and len({(d["fsdp"], d["tensor"]) for d in odd}) == 1, mismatch
     assert "silent data corruption" in proc.stderr
-    rewinds = [(e["to"], e["moved"]) for e in _of(run, "replica_rewind")]
+    rewinds = [(e["to"], e["moved"]) for e in _of(run, E.REPLICA_REWIND)]
     assert rewinds == [(10, [])]  # every save was checked first: none is newer
-    assert [e.get("exit_code") for e in _of(run, "worker_exit")] == [exit_codes.REPLICA_MISMATCH, 0]
-    assert [(e["step"], e["tier"]) for e in _of(run, "restore")] == [(10, "durable")]
+    assert [e.get("exit_code") for e in _of(run, E.WORKER_EXIT)] == [exit_codes.REPLICA_MISMATCH, 0]
+    assert [(e["step"], e["tier"]) for e in _of(run, E.RESTORE)] == [(10, "durable")]
     assert not (run / "faults_fired.json").read_text() == "[]"
     # The run ends identical: the final params, and every step's loss as the last attempt logged it (an
     # attempt that trained on a corrupt replica logged what it computed, before the check caught it).
@@ -208,9 +209,9 @@ def test_the_replica_rewind_moves_checkpoints_newer_than_the_last_good_step_asid
         save(t, step, DURABLE)
     t.close()
     log = EventLog(run / "events.jsonl")
-    log.write("worker_start", pid=1)
+    log.write(E.WORKER_START, pid=1)
     devices = [{"device": 0, "process": 0, "odd": False}, {"device": 1, "process": 0, "odd": True}]
-    log.write("replica_mismatch", step=22, last_good=12, param="w", devices=devices)
+    log.write(E.REPLICA_MISMATCH, step=22, last_good=12, param="w", devices=devices)
     log.close()
     written: list[dict] = []
     replica_rewind.rewind(run, lambda name, **f: written.append(dict(f, event=name)), tag=1, nodes=["n0"])
@@ -261,10 +262,10 @@ def test_the_local_tier_resumes_at_the_local_save(tmp_path, reference_run):
     _kill_after_local_save(run, local, over, 12, 10)
     assert _sealed_local(run, local)[-1] == 12
     run_trainer(run, *over, worker=True)
-    assert [(e["step"], e["tier"]) for e in _of(run, "restore")] == [(12, "local")]
-    assert not _of(run, "checkpoint_rejected")
+    assert [(e["step"], e["tier"]) for e in _of(run, E.RESTORE)] == [(12, "local")]
+    assert not _of(run, E.CHECKPOINT_REJECTED)
     _same_as(run, ref, unlogged=(12,))
-    assert {e["tier"] for e in _of(run, "checkpoint_saved")} == {"local", "durable"}
+    assert {e["tier"] for e in _of(run, E.CHECKPOINT_SAVED)} == {"local", "durable"}
 
 
 # --- storage faults -----------------------------------------------------------------------------------
@@ -303,11 +304,11 @@ def test_events_and_tensorboard_survive_a_full_disk(tmpfs, capfd):
     log, tb = EventLog(tmpfs / "events.jsonl"), Writer(tmpfs / "tb")
     filler = _fill(tmpfs, 0)
     for i in range(200):  # neither raises nor blocks (tensorboardX's queue would stall once its thread died)
-        log.write("step", step=i, loss=1.0, pad="x" * 100)
+        log.write(E.STEP, step=i, loss=1.0, pad="x" * 100)
         tb.add(i, {"loss/train": 1.0})
     tb._w.flush()
     filler.unlink()
-    log.write("step", step=999, loss=2.0)
+    log.write(E.STEP, step=999, loss=2.0)
     tb.add(999, {"loss/train": 2.0})
     tb.close()
     log.close()
@@ -337,7 +338,7 @@ def test_a_local_save_that_fails_turns_the_local_tier_off_and_the_durable_tier_g
     save(t, 6, LOCAL)
     assert t.failure() is None
     t.drop_failed_local()
-    failed = [(e["tier"], "the disk is full" in e["message"]) for e in log if e["event"] == "checkpoint_failed"]
+    failed = [(e["tier"], "the disk is full" in e["message"]) for e in log if e["event"] == E.CHECKPOINT_FAILED]
     assert failed == [(LOCAL, True)], log  # once: the tier is off, later local saves are not even tried
     t.close()
     assert checkpoint_files.committed_steps(checkpoint_files.local_dir(str(local), run, 0, t.node)) == []
@@ -407,7 +408,7 @@ def test_a_full_disk_is_waited_out_and_the_run_resumes_on_its_own(tmpfs, referen
     text = log.read_text()
     assert proc.poll() is None and "the checkpoint disk is full" in text, text[-3000:]
     assert "the disk is full" in text  # the worker's message: which checkpoint, where, what to do
-    failed = [(e["tier"], "the disk is full" in e["message"]) for e in _of(run, "checkpoint_failed")]
+    failed = [(e["tier"], "the disk is full" in e["message"]) for e in _of(run, E.CHECKPOINT_FAILED)]
     assert failed == [("durable", True)], "no checkpoint_failed event"
     kept = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
     # The disk may fill inside Orbax's write (no step dir appears) or after its commit, while the manifest is
@@ -417,13 +418,13 @@ def test_a_full_disk_is_waited_out_and_the_run_resumes_on_its_own(tmpfs, referen
     assert good and all(manifest.verify(run / "checkpoints" / str(s)) is None for s in good), kept
     assert set(kept) - set(good) <= {s for s in kept if s > good[-1]}, (kept, good)
     time.sleep(2.5)  # still waiting (a poll or more later): no restart into the full disk
-    assert not _of(run, "restart") and proc.poll() is None
+    assert not _of(run, E.RESTART) and proc.poll() is None
     filler.unlink()
     assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
-    [cleared] = [e for e in _of(run, "alert_cleared") if e["kind"] == "disk_full"]
-    assert cleared["waited_s"] >= 2.5 and [e["reason"] for e in _of(run, "restart")] == ["disk full"]
-    assert [e["step"] for e in _of(run, "restore")][-1] == good[-1]
-    assert sorted(e["step"] for e in _of(run, "checkpoint_rejected")) == sorted(set(kept) - set(good))
+    [cleared] = [e for e in _of(run, E.ALERT_CLEARED) if e["kind"] == "disk_full"]
+    assert cleared["waited_s"] >= 2.5 and [e["reason"] for e in _of(run, E.RESTART)] == ["disk full"]
+    assert [e["step"] for e in _of(run, E.RESTORE)][-1] == good[-1]
+    assert sorted(e["step"] for e in _of(run, E.CHECKPOINT_REJECTED)) == sorted(set(kept) - set(good))
     _same_as(run, ref)
 
 
@@ -446,7 +447,7 @@ def test_no_room_within_the_wait_stops_the_run_for_a_human(tmpfs):
 
     threading.Timer(1.0, filler.unlink).start()
     assert storage.wait_for_room(run, 1, lambda *a, **k: written.append((a, k)), step=5, stop=lambda: False)
-    assert written[-1][0][0] == "alert_cleared" and written[-1][1]["free_bytes"] >= storage.MIN_ROOM
+    assert written[-1][0][0] == E.ALERT_CLEARED and written[-1][1]["free_bytes"] >= storage.MIN_ROOM
 
 
 # --- several processes: every process verifies its share, all agree before anything moves -----------------
@@ -509,7 +510,7 @@ def test_a_step_is_assembled_from_any_copy_a_node_holds_never_from_a_partial_one
     bad = {corrupt.flip(roots[0] / "process_1" / "16"), corrupt.flip(roots[0] / "process_0" / "16", "buddy")}
     shutil.rmtree(roots[0] / "process_1" / "12")
     run_trainer(run, *over, env=nodes)
-    rejected = _of(run, "checkpoint_rejected")
+    rejected = _of(run, E.CHECKPOINT_REJECTED)
     assert [(e["step"], e["tier"], e["process"]) for e in rejected] == [
         (20, "durable", 1),
         (16, "local", 0),
@@ -517,7 +518,7 @@ def test_a_step_is_assembled_from_any_copy_a_node_holds_never_from_a_partial_one
     ], rejected
     assert "ocdbt.process_1" in rejected[0]["file"], rejected[0]
     assert {e["file"].split("/", 1)[0] for e in rejected[1:]} == {"process_0", "process_1"}, (rejected, bad)
-    (restore,) = _of(run, "restore")
+    (restore,) = _of(run, E.RESTORE)
     assert (restore["step"], restore["tier"]) == (12, "local"), restore
     assert restore["sources"] == {
         "0": {"process": 0, "node": "fake0", "copy": "state"},
@@ -542,15 +543,15 @@ def _hb(run: Path) -> dict | None:
 def _stepped(run: Path) -> bool:
     """Whether the latest attempt logged a step."""
     evs = events(run)
-    start = max((i for i, e in enumerate(evs) if e["event"] == "worker_start"), default=None)
-    return start is not None and any(e["event"] == "step" for e in evs[start:])
+    start = max((i for i, e in enumerate(evs) if e["event"] == E.WORKER_START), default=None)
+    return start is not None and any(e["event"] == E.STEP for e in evs[start:])
 
 
 def _exit_of(run: Path, pid: int, sup: subprocess.Popen) -> dict:
     """The supervisor's worker_exit event for the worker with this pid (once it wrote it)."""
     deadline = time.time() + 60
     while time.time() < deadline and sup.poll() is None:
-        if ex := next((e for e in events(run) if e["event"] == "worker_exit" and e.get("pid") == pid), None):
+        if ex := next((e for e in events(run) if e["event"] == E.WORKER_EXIT and e.get("pid") == pid), None):
             return ex
         time.sleep(0.05)
     return {}
@@ -631,13 +632,13 @@ def test_kills_at_random_moments_and_inside_async_saves_never_break_a_restore(tm
             in_step.insert(0, due)
     assert sup.wait(timeout=1200) == 0, (tmp_path / "supervisor.log").read_text()[-3000:]
     evs = events(run)
-    exits = [e for e in evs if e["event"] == "worker_exit"]
+    exits = [e for e in evs if e["event"] == E.WORKER_EXIT]
     crashes = sum(e.get("exit_code") == 13 for e in exits)
     assert kills == {"save": SAVE_KILLS, "step": 1} and crashes == 2, (kills, missed, exits)
     assert sum(e.get("signal") == "SIGKILL" for e in exits) == SAVE_KILLS + 1, exits
-    starts = [e for e in evs if e["event"] in ("restore", "init")]
+    starts = [e for e in evs if e["event"] in (E.RESTORE, E.INIT)]
     assert len(starts) == len(exits) == SAVE_KILLS + 4  # every attempt got past its restore
-    rejected = [e for e in evs if e["event"] == "checkpoint_rejected"]
+    rejected = [e for e in evs if e["event"] == E.CHECKPOINT_REJECTED]
     broken = [e for e in rejected if not e["reason"].startswith("unverified")]  # a kill may only cut a seal short
     assert not broken, broken
     s = summary(run)
@@ -648,7 +649,7 @@ def test_kills_at_random_moments_and_inside_async_saves_never_break_a_restore(tm
     tally = {t: sum(e.get("tier") == t for e in starts) for t in ("local", "durable")}
     print(
         f"{SAVE_KILLS + 3} kills ({kills} SIGKILL + {crashes} crash_mid_save), restores {tally}, "
-        f"init {sum(e['event'] == 'init' for e in starts)}, unsealed checkpoints set aside {len(rejected)}, "
+        f"init {sum(e['event'] == E.INIT for e in starts)}, unsealed checkpoints set aside {len(rejected)}, "
         f"broken restores {len(broken)}, final params_sha256 {summary(run)['params_sha256'][:16]} == reference"
     )
 

@@ -15,6 +15,8 @@ import pytest
 from conftest import ROOT, child_env, events, need_transformers, run_trainer, step_losses, summary
 from safetensors.numpy import load_file
 
+from trainer.store import event_names as E
+
 pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -m 'not slow')
 
 # on top of conftest.MICRO (d_model 64, 2 layers, 4 heads, seq 64, 30 steps, tiny.yaml's 2 x 2 x 2 mesh)
@@ -34,10 +36,10 @@ def test_a_sigkilled_llama_resumes_bit_for_bit_and_its_loss_falls(tmp_path, refe
     assert losses[30][0] < losses[1][0] - 1.0, (losses[1], losses[30])  # ~5.9 -> ~3.4
     run = tmp_path / "run"
     run_trainer(run, *LLAMA, KILL)  # supervised: the worker is SIGKILLed at step 23 and restarted
-    exits = [e for e in events(run) if e["event"] == "worker_exit"]
+    exits = [e for e in events(run) if e["event"] == E.WORKER_EXIT]
     assert [e.get("signal") for e in exits] == ["SIGKILL", None], exits
     # resumed from a checkpoint (10, or 20 when its async save had committed), not restarted from 0
-    assert [e["step"] for e in events(run) if e["event"] == "restore"] in ([10], [20])
+    assert [e["step"] for e in events(run) if e["event"] == E.RESTORE] in ([10], [20])
     assert summary(run)["params_sha256"] == summary(ref)["params_sha256"]
     resumed = step_losses(run)
     assert sorted(resumed) == list(range(1, 31))
@@ -130,7 +132,7 @@ def test_a_transformers_directory_as_init_from_exports_back_bit_for_bit(tmp_path
     run = tmp_path / "run"
     steps = ["train.steps=4", "optim.warmup_steps=2", "train.stop_at_step=1"]  # lr(step 1) = 0: saved, stopped
     run_trainer(run, *arch, *steps, f"train.init_from={tmp_path / 'hf'}", worker=True)
-    start = next(e for e in events(run) if e["event"] == "init_from")
+    start = next(e for e in events(run) if e["event"] == E.INIT_FROM)
     assert start["format"] == f"huggingface {family}"
     p = cli("export", str(run), "--out", str(tmp_path / "out"))
     assert p.returncode == 0, p.stderr

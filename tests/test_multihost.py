@@ -22,6 +22,7 @@ from multihost import ONE, TWO, at_step, audit, group_overrides, heartbeat, refe
 from trainer.config import ConfigError, DataConfig, LaunchConfig, load_config
 from trainer.observe import audit as audit_lib
 from trainer.observe.heartbeat import PULSE_S, PULSE_STALE_S
+from trainer.store import event_names as E
 from trainer.store import membership
 from trainer.supervise import exit_codes, launcher, nodes, srun_group
 from trainer.train import data
@@ -55,7 +56,7 @@ def test_kill_and_hang_tear_the_group_down_and_the_run_ends_identical(tmp_path, 
     assert sup.wait(timeout=600) == 0, (tmp_path / "supervisor.log").read_text()[-3000:]
 
     evs = events(run)
-    exits = [e for e in evs if e["event"] == "worker_exit"]
+    exits = [e for e in evs if e["event"] == E.WORKER_EXIT]
     # 1st attempt: process 1 died by SIGKILL, the supervisor tore process 0 down.
     assert exits[0]["signal"] == "SIGKILL" and exits[0]["exits"][0] == [1, -9] and exits[0]["torn_down"] == [0]
     kill_teardown_s = exits[0]["time"] - t_kill
@@ -66,20 +67,20 @@ def test_kill_and_hang_tear_the_group_down_and_the_run_ends_identical(tmp_path, 
     assert kill_teardown_s < step_timeout_s, kill_teardown_s
     # 2nd attempt: process 0 hung at step 22 (process 1 waits in a collective); both killed after the timeout,
     # the kill following the stack dump before another step timeout could pass.
-    hang = next(e for e in evs if e["event"] == "hang_detected")
+    hang = next(e for e in evs if e["event"] == E.HANG_DETECTED)
     assert hang["step"] == 22 and hang["phase"] == "step"
     hang_teardown_s = exits[1]["time"] - hang["time"]
     assert hang_teardown_s < step_timeout_s, hang_teardown_s
     # 3rd attempt: process 1 froze at step 26: named by its pulse, not by a timeout (its peer is blocked in a
     # collective, silent too, so the hang check would wait the step timeout).
-    frozen = [e for e in evs if e["event"] == "hang_detected"][1]
+    frozen = [e for e in evs if e["event"] == E.HANG_DETECTED][1]
     assert frozen["phase"] == "frozen" and frozen["process"] == 1 and frozen["step"] >= 25, frozen
     assert frozen["silent_s"] < PULSE_STALE_S + 2, frozen  # a poll or two past the threshold
     # Each restart's downtime, part by part, adds up; the kill's (its time known here) is the kill-to-first-step.
-    down = [e for e in evs if e["event"] == "downtime"]
+    down = [e for e in evs if e["event"] == E.DOWNTIME]
     assert [d["reason"] for d in down] == ["signal SIGKILL", "hang", "hang"], down
     assert all(abs(sum(d["parts_s"].values()) - d["total_s"]) < 0.01 for d in down), down
-    first = next(e for e in evs if e["event"] == "step" and e["time"] > exits[0]["time"])
+    first = next(e for e in evs if e["event"] == E.STEP and e["time"] > exits[0]["time"])
     # The accounted failure is when the supervisor saw the exit: on a loaded 2-core machine that lagged the kill by
     # up to 0.37 s (a fresh-clone .ci/run: 9.90 s accounted, 10.27 s measured; idle within 0.25 s).
     assert abs(down[0]["total_s"] - (first["time"] - t_kill)) < 0.5, (down[0], first["time"] - t_kill)
@@ -104,7 +105,7 @@ def test_kill_and_hang_tear_the_group_down_and_the_run_ends_identical(tmp_path, 
     losses, ref_losses = step_losses(run), step_losses(ref_run)
     assert sorted(losses) == sorted(ref_losses) and all(set(v) == set(ref_losses[k]) for k, v in losses.items())
     # Only process 0 logs: one `step` event per step in an uninterrupted run.
-    assert sorted(e["step"] for e in events(ref_run) if e["event"] == "step") == list(range(1, 31))
+    assert sorted(e["step"] for e in events(ref_run) if e["event"] == E.STEP) == list(range(1, 31))
 
     # Data: exactly once per epoch across three epoch boundaries; recomputed steps re-read the same samples.
     for r in (ref_run, run):
@@ -129,12 +130,12 @@ def test_elastic_resume_on_another_process_count_keeps_the_global_order(tmp_path
     # a signal: ending it as a plain stop (exit 0) would end a preempted job as if it were done.
     sigterm = "faults=[{kind: signal, step: 7, signal: SIGTERM, process: 1}]"
     first = run_trainer(run, *group_overrides(corpus, *TWO, sigterm), check=False)
-    (exit1,) = [e for e in events(run) if e["event"] == "worker_exit"]
+    (exit1,) = [e for e in events(run) if e["event"] == E.WORKER_EXIT]
     assert [code for _, code in exit1["exits"]] == [exit_codes.PREEMPTED] * 2, exit1
     assert first.returncode == exit_codes.PREEMPTED, first.stderr[-3000:]
     for stop, shape in ((20, ONE), (0, TWO)):
         run_trainer(run, *group_overrides(corpus, *shape, f"train.stop_at_step={stop}"))
-    restores = [e["step"] for e in events(run) if e["event"] == "restore"]
+    restores = [e["step"] for e in events(run) if e["event"] == E.RESTORE]
     assert restores == [10, 20]
     shards = {
         d.name: sorted(p.name for p in (d / "state").glob("ocdbt.process_*"))
@@ -172,19 +173,19 @@ def test_two_processes_catch_a_flipped_replica_across_them_and_run_the_runbook_o
     evs = events(run)
 
     # The flip before step 15, caught by the check before the save of 20; the last check that passed was 14.
-    (mismatch,) = [e for e in evs if e["event"] == "replica_mismatch"]
+    (mismatch,) = [e for e in evs if e["event"] == E.REPLICA_MISMATCH]
     assert (mismatch["step"], mismatch["last_good"]) == (20, 14), mismatch
     assert {d["process"] for d in mismatch["devices"]} == {0, 1}, mismatch  # the copies compared: both processes'
     # The NaN update of step 22 is seen at 23, rewound to the save of 20, batch 22 skipped.
-    spike = next(e for e in evs if e["event"] == "spike_detected")
+    spike = next(e for e in evs if e["event"] == E.SPIKE_DETECTED)
     assert (spike["step"], spike["signal"]) == (23, "nonfinite_update_norm"), spike
-    assert [e["to"] for e in evs if e["event"] == "rewind"] == [20]
-    skips = [e["batches"] for e in evs if e["event"] == "skip"]
+    assert [e["to"] for e in evs if e["event"] == E.REWIND] == [20]
+    skips = [e["batches"] for e in evs if e["event"] == E.SKIP]
     assert skips == [[22]] and json.loads((run / "runbook.json").read_text())["skips"] == [22], skips
     # Every process of each attempt left with the same code: the replica rewind, the runbook, the end.
-    exits = [sorted({code for _, code in e["exits"]}) for e in evs if e["event"] == "worker_exit"]
+    exits = [sorted({code for _, code in e["exits"]}) for e in evs if e["event"] == E.WORKER_EXIT]
     assert exits == [[exit_codes.REPLICA_MISMATCH], [exit_codes.SPIKE], [0]], exits
-    assert [e["step"] for e in evs if e["event"] == "restore"] == [10, 20]
+    assert [e["step"] for e in evs if e["event"] == E.RESTORE] == [10, 20]
     # Up to the NaN the run is the uninterrupted one, bit for bit (the flipped steps recomputed); after it,
     # every process skipped batch 22 and read every other batch exactly once (the audit, over both processes).
     losses, ref_losses = step_losses(run), step_losses(ref_run)
@@ -557,8 +558,8 @@ def test_a_worker_failing_at_start_up_is_torn_down_and_restarted_in_seconds(star
     run, stderr, fired, _, code = started_twice
     assert code == 0, stderr[-3000:]
     evs = events(run)
-    exit1 = next(e for e in evs if e["event"] == "worker_exit")
-    start1, start2 = [e for e in evs if e["event"] == "worker_start"][:2]
+    exit1 = next(e for e in evs if e["event"] == E.WORKER_EXIT)
+    start1, start2 = [e for e in evs if e["event"] == E.WORKER_START][:2]
     assert exit1["exit_code"] == 1 and exit1["exits"][0] == [0, 1], exit1  # process 0's fault is the cause
     said1 = "\n".join(line for line in stderr.splitlines() if line.startswith("1: "))
     lost_peer = exit_codes.is_peer_loss(said1) or LEADER_LOST in said1
@@ -575,7 +576,7 @@ def test_a_worker_failing_at_start_up_is_torn_down_and_restarted_in_seconds(star
     assert teardown_s < startup_s and restart_s - teardown_s < startup_s, (startup_s, teardown_s, restart_s)
     assert "0: trainer.faults.injector.InjectedStartupError: injected fault" in stderr
     # stopped at train.stop_at_step (the worker's event, then the supervisor's), after one restart
-    stopped = [(e["step"], e.get("by")) for e in evs if e["event"] == "stopped"]
+    stopped = [(e["step"], e.get("by")) for e in evs if e["event"] == E.STOPPED]
     assert stopped == [(12, None), (12, "supervisor")] and summary(run)["restarts"] == 1, stopped
     print(
         f"start-up failure {startup_s:.2f}s after the spawn: group torn down {teardown_s:.2f}s and restarted "
@@ -591,8 +592,8 @@ def test_a_peer_waiting_for_a_slow_save_is_not_a_hang(started_twice):
     assert silent > STEP_TIMEOUT_S, (
         f"process 1 was never silent past the step timeout while process 0 saved ({silent:.1f}s)"
     )
-    assert not [e for e in events(run) if e["event"] == "hang_detected"]
-    assert [e["reason"] for e in events(run) if e["event"] == "restart"] == ["exit code 1"]  # the start-up fault only
+    assert not [e for e in events(run) if e["event"] == E.HANG_DETECTED]
+    assert [e["reason"] for e in events(run) if e["event"] == E.RESTART] == ["exit code 1"]  # the start-up fault only
     assert code == 0, stderr[-3000:]
     print(f"process 1 silent {silent:.1f}s in the step phase while process 0 saved: no hang")
 
@@ -618,12 +619,12 @@ def test_two_processes_on_a_cold_cache_prepare_once(tmp_path):
             "checkpoint.every_steps=0",
             "data.tokenizer=bpe:300",
         )
-        ready = [e for e in events(run) if e["event"] == "data_ready"]
+        ready = [e for e in events(run) if e["event"] == E.DATA_READY]
         assert ready[0]["prepared_now"] and not any(e["prepared_now"] for e in ready[1:]), ready
         fingerprints = {p: heartbeat(run, p)["data"] for p in (0, 1)}  # what each process read
         assert set(fingerprints.values()) == {ready[0]["fingerprint"]}, (fingerprints, ready[0])
         # No process failed (the landed 2-process race: exit 1 of the second rename). A hang kill at step 0,
         # a rare gloo stall on an overloaded machine that the landed code shows too, is not a data failure.
-        crashes = [e for e in events(run) if e["event"] == "worker_exit" and e.get("exit_code")]
+        crashes = [e for e in events(run) if e["event"] == E.WORKER_EXIT and e.get("exit_code")]
         assert not crashes and len([p for p in cache.iterdir() if p.is_dir()]) == 1, crashes
         print(f"cold start {i}: one preparation, fingerprint {fingerprints[0][:16]} on both, {time.time() - t0:.1f}s")

@@ -29,6 +29,8 @@ from multihost import at_step, audit, job_args, node_of, reference, sbatch_train
 from slurm_cluster import job_info, local_slurm, node_states, wait_job
 from test_slurm_job import _require_slurm
 
+from trainer.store import event_names as E
+
 pytestmark = pytest.mark.slow  # trains end to end (fast loop: -m 'not slow')
 
 SLURMD_TIMEOUT, MESSAGE_TIMEOUT = 5, 3  # SLURM itself notices a lost node after about 11-13 s
@@ -80,7 +82,7 @@ def test_two_nodes_lost_in_turn_heal_from_the_peer_copy_then_from_durable(tmp_pa
         job, _ = sbatch_trainer({**env, **s3.env}, nodes=3, per_node=1, out=out, args=args)
         # Once the second loss is noticed, the staged copies go too (as if the run dir's file system held no
         # checkpoints): the requeued job's durable 10 comes from the bucket alone, each process its share.
-        until(lambda: any(e["event"] == "supervisor_lost" for e in events(run)), timeout=240)
+        until(lambda: any(e["event"] == E.SUPERVISOR_LOST for e in events(run)), timeout=240)
         shutil.rmtree(run / "checkpoints")
         # SLURM requeues the job when its batch host is lost (it passes through NODE_FAIL on the way)
         state = wait_job(job, env, timeout=300, passing=frozenset({"NODE_FAIL"}))
@@ -90,7 +92,7 @@ def test_two_nodes_lost_in_turn_heal_from_the_peer_copy_then_from_durable(tmp_pa
     wall = time.time() - t0
 
     evs = events(run)
-    starts = [e for e in evs if e["event"] == "worker_start"]
+    starts = [e for e in evs if e["event"] == E.WORKER_START]
     assert len(starts) == 3, starts
     first, lost = starts[0]["nodes"], []
     lost.append(first[1])  # process 1's node
@@ -98,9 +100,9 @@ def test_two_nodes_lost_in_turn_heal_from_the_peer_copy_then_from_durable(tmp_pa
     spare = next(n for n in ("n1", "n2", "n3") if n not in first)
     # The first loss: the lost node is the suspect, for the right reason; the survivor whose collective failed
     # is not. The next step runs on the survivor and the spare, in the same allocation.
-    suspects = [e for e in evs if e["event"] == "node_suspect"]
+    suspects = [e for e in evs if e["event"] == E.NODE_SUSPECT]
     assert [e["node"] for e in suspects] == [lost[0]], suspects
-    exit0 = next(e for e in evs if e["event"] == "worker_exit")
+    exit0 = next(e for e in evs if e["event"] == E.WORKER_EXIT)
     if exit0.get("node_failures"):  # SLURM noticed first ("Node failure on ...")
         assert exit0["node_failures"] == [lost[0]] and "node failure" in suspects[0]["reason"], (exit0, suspects)
     elif exit0.get("first_task_error"):  # the survivor's collective failed first (exit PEER_LOST): the node never
@@ -112,15 +114,15 @@ def test_two_nodes_lost_in_turn_heal_from_the_peer_copy_then_from_durable(tmp_pa
         assert exit0.get("signal") == "SIGKILL" and "froze" in suspects[0]["reason"], (exit0, suspects)
     assert starts[1]["nodes"] == [survivor, spare] and starts[1]["suspect_nodes"] == [lost[0]], starts[1]
     # each restart's restore ({}: it restored nothing, e.g. every checkpoint rejected and the run started over)
-    restored = [next((e for e in evs if e["event"] == "restore" and e["time"] > s["time"]), {}) for s in starts[1:]]
-    local_saves = [(e["step"], e["time"]) for e in evs if e["event"] == "checkpoint_saved" and e["tier"] == "local"]
+    restored = [next((e for e in evs if e["event"] == E.RESTORE and e["time"] > s["time"]), {}) for s in starts[1:]]
+    local_saves = [(e["step"], e["time"]) for e in evs if e["event"] == E.CHECKPOINT_SAVED and e["tier"] == "local"]
     # From the fast tier, not durable: the lost process's shards from the copy the survivor held for it.
     assert (restored[0]["tier"], restored[0]["step"]) == ("local", 12), restored[0]
     assert sorted((s["node"], s["copy"]) for s in restored[0]["sources"].values()) == [
         (survivor, "buddy"),
         (survivor, "state"),
     ], restored[0]
-    first_step = next(e for e in evs if e["event"] == "step" and e["time"] > starts[1]["time"])
+    first_step = next(e for e in evs if e["event"] == E.STEP and e["time"] > starts[1]["time"])
     # The suspects outlive the supervisor (the requeued job read them) and `status` lists them.
     st = subprocess.run(
         [sys.executable, "-m", "trainer", "status", str(run)], cwd=ROOT, capture_output=True, text=True, timeout=60
@@ -133,11 +135,11 @@ def test_two_nodes_lost_in_turn_heal_from_the_peer_copy_then_from_durable(tmp_pa
     assert all(down[n].startswith("down") for n in lost), down  # what SLURM made of both
     # SLURM keeps a --no-kill job running without its batch host: the guard on the spare saw the supervisor's
     # lease stop and requeued the job; the requeued job has a supervisor of its own on nodes never used.
-    (guarded,) = [e for e in evs if e["event"] == "supervisor_lost"]
+    (guarded,) = [e for e in evs if e["event"] == E.SUPERVISOR_LOST]
     assert (guarded["node"], guarded["guard_node"]) == (survivor, spare) and guarded["silent_s"] >= 20, guarded
     assert info.get("Restarts") == "1", info  # requeued once: by the guard
     assert set(json.loads((run / "suspect_nodes.json").read_text())["nodes"]) == set(lost)
-    assert len({e["pid"] for e in evs if e["event"] == "supervisor_start"}) == 2
+    assert len({e["pid"] for e in evs if e["event"] == E.SUPERVISOR_START}) == 2
     assert not set(starts[2]["nodes"]) & {*lost, survivor}, starts[2]
     # No fast step can be assembled (its copies died with the two nodes): durable 10, never a partial step.
     assert (restored[1].get("tier"), restored[1].get("step")) == ("durable", 10), restored[1]
@@ -154,7 +156,7 @@ def test_two_nodes_lost_in_turn_heal_from_the_peer_copy_then_from_durable(tmp_pa
     assert all(set(v) == {ref_losses[k][0]} for k, v in losses.items())  # recomputed steps too, bitwise
     st = audit(run, "--compare", str(ref_run))
     assert st["compared_steps"] == 30 and st["rechecked_rows"] > 0, st
-    t_loss = next(e["time"] for e in evs if e["event"] == "worker_exit")
+    t_loss = next(e["time"] for e in evs if e["event"] == E.WORKER_EXIT)
     print(
         f"node loss: {lost[0]} lost at step 14; exit {exit0}; restart on {starts[1]['nodes']} "
         f"{starts[1]['time'] - t_loss:.1f}s after the first exit report, first new step ({first_step['step']}) "
@@ -207,21 +209,21 @@ def test_a_frozen_node_is_blamed_the_job_shrinks_and_regrows_when_it_is_trusted_
         assert state == "COMPLETED", log[-3000:]
 
     evs = events(run)
-    (hang,) = [e for e in evs if e["event"] == "hang_detected"]
+    (hang,) = [e for e in evs if e["event"] == E.HANG_DETECTED]
     assert hang["node"] == blamed and hang["process"] == victim_process and "froze" in hang["why"], hang
-    suspects = [(e["node"], "froze" in e["reason"]) for e in evs if e["event"] == "node_suspect"]
+    suspects = [(e["node"], "froze" in e["reason"]) for e in evs if e["event"] == E.NODE_SUSPECT]
     assert suspects == [(blamed, True)], suspects  # not a node srun reported killed after the hang kill
-    starts = [e for e in evs if e["event"] == "worker_start"]
+    starts = [e for e in evs if e["event"] == E.WORKER_START]
     assert [s["processes"] for s in starts] == [2, 1, 2], starts
     assert blamed not in starts[1]["nodes"] and blamed in starts[2]["nodes"], starts
-    assert [e["node"] for e in evs if e["event"] == "node_retried"] == [blamed]
-    shrunk = [e["step"] for e in evs if e["event"] == "step" and starts[1]["time"] < e["time"] < starts[2]["time"]]
+    assert [e["node"] for e in evs if e["event"] == E.NODE_RETRIED] == [blamed]
+    shrunk = [e["step"] for e in evs if e["event"] == E.STEP and starts[1]["time"] < e["time"] < starts[2]["time"]]
     assert shrunk, "the shrunk group trained no step"
-    (regrow,) = [e for e in evs if e["event"] == "regrow"]
+    (regrow,) = [e for e in evs if e["event"] == E.REGROW]
     assert (regrow["processes"], regrow["to"]) == (1, 2), regrow
     # The regrow is a save, not a loss: the full-size group restored exactly the checkpoint the shrunk one saved.
-    saved = [e for e in evs if e["event"] == "checkpoint_saved" and e["time"] < starts[2]["time"]][-1]
-    restored = next(e for e in evs if e["event"] == "restore" and e["time"] > starts[2]["time"])
+    saved = [e for e in evs if e["event"] == E.CHECKPOINT_SAVED and e["time"] < starts[2]["time"]][-1]
+    restored = next(e for e in evs if e["event"] == E.RESTORE and e["time"] > starts[2]["time"])
     assert saved["reason"] == "preempt" and restored["step"] == saved["step"], (saved, restored)
     st = audit(run, "--compare", str(ref_run))
     assert st["process_counts"] == [1, 2] and st["compared_steps"] == 30, st
@@ -264,21 +266,21 @@ def test_a_straggler_node_is_drained_onto_the_spare_and_the_run_ends_identical(t
         assert state == "COMPLETED", log[-3000:]
 
     evs = events(run)
-    starts = [e for e in evs if e["event"] == "worker_start"]
+    starts = [e for e in evs if e["event"] == E.WORKER_START]
     assert [s["nodes"] for s in starts] == [["n1", "n2"], ["n1", "n3"]], starts
-    (verdict,) = [e for e in evs if e["event"] == "straggler"]
+    (verdict,) = [e for e in evs if e["event"] == E.STRAGGLER]
     assert (verdict["process"], verdict["node"], verdict["section"]) == (1, "n2", "host"), verdict
     k = verdict["step"] - 5
     assert 0 < k <= 1 + 3 * 3 + 3, verdict  # grace, a partial window and two more; one more for the save at 10
-    (drained,) = [e for e in evs if e["event"] == "straggler_drained"]
-    suspects = [(e["node"], e["reason"].startswith("straggler")) for e in evs if e["event"] == "node_suspect"]
+    (drained,) = [e for e in evs if e["event"] == E.STRAGGLER_DRAINED]
+    suspects = [(e["node"], e["reason"].startswith("straggler")) for e in evs if e["event"] == E.NODE_SUSPECT]
     assert drained["node"] == "n2" and suspects == [("n2", True)], (drained, suspects)
-    saved = [e for e in evs if e["event"] == "checkpoint_saved" and e["time"] < starts[1]["time"]][-1]
-    restored = next(e for e in evs if e["event"] == "restore" and e["time"] > starts[1]["time"])
+    saved = [e for e in evs if e["event"] == E.CHECKPOINT_SAVED and e["time"] < starts[1]["time"]][-1]
+    restored = next(e for e in evs if e["event"] == E.RESTORE and e["time"] > starts[1]["time"])
     assert saved["reason"] == "preempt" and restored["step"] == saved["step"], (saved, restored)
     # tokens/s after the drain against before the slowdown (a start's first step compiles or loads, its second
     # warms up; the steps of the periodic saves at 10 and 20 and the final one at 30 block)
-    tps = {e["step"]: e["tokens_per_s"] for e in evs if e["event"] == "step"}
+    tps = {e["step"]: e["tokens_per_s"] for e in evs if e["event"] == E.STEP}
     before = statistics.median(tps[s] for s in range(2, 5))
     after = statistics.median(tps[s] for s in range(restored["step"] + 3, 30) if s not in (20, 21))
     slow = statistics.median(tps[s] for s in range(6, verdict["step"]) if s not in (10, 11))

@@ -11,6 +11,7 @@ from conftest import MICRO, TINY, events, run_trainer, snapshot, step_losses, su
 
 from trainer.config import MeshConfig, load_config
 from trainer.parallel.mesh import make_mesh
+from trainer.store import event_names as E
 from trainer.train import optim
 from trainer.train.step import lower_train_step
 from trainer.train.worker import stack_changes, state_spec, versions
@@ -105,11 +106,11 @@ def test_resume_on_another_software_stack_warns_once(tmp_path):
     run = tmp_path / "run"
     run_trainer(run, "train.stop_at_step=5", "checkpoint.every_steps=5", worker=True)
     proc = run_trainer(run, "train.stop_at_step=10", "checkpoint.every_steps=5", "run.deterministic=true", worker=True)
-    changed = [e for e in events(run) if e["event"] == "stack_changed"]
+    changed = [e for e in events(run) if e["event"] == E.STACK_CHANGED]
     assert len(changed) == 1 and changed[0]["changes"] == ["run.deterministic False -> True"], changed
     warnings = [ln for ln in proc.stderr.splitlines() if ln.startswith("warning: resuming on another software")]
     assert len(warnings) == 1, proc.stderr[-2000:]
-    assert [e["step"] for e in events(run) if e["event"] == "stopped"] == [5, 10]
+    assert [e["step"] for e in events(run) if e["event"] == E.STOPPED] == [5, 10]
     meta = stack_changes(
         {
             "versions": {"jax": "0.0.1", "jaxlib": "0.0.1", **{p: versions()[p] for p in ("flax", "optax")}},
@@ -126,8 +127,8 @@ def test_a_shrunk_group_keeps_its_batches_by_raising_microbatches(tmp_path, refe
     run = tmp_path / "run"
     run_trainer(run, "launch.processes=2", worker=True)
     evs = events(run)
-    assert [e["microbatches"] for e in evs if e["event"] == "compiled"] == [2]
-    assert [e["event"] for e in evs].count("elastic_microbatches") == 1
+    assert [e["microbatches"] for e in evs if e["event"] == E.COMPILED] == [2]
+    assert [e["event"] for e in evs].count(E.ELASTIC_MICROBATCHES) == 1
     assert step_losses(run) == step_losses(reference_run(*CURVES["data2_fsdp2_tensor2_microbatches2"]))
 
 

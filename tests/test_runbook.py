@@ -13,6 +13,7 @@ import pytest
 from trainer.config import Config, ConfigError, Fault, RunbookConfig, load_config
 from trainer.faults.injector import FaultInjector
 from trainer.observe import events, spikes
+from trainer.store import event_names as E
 from trainer.supervise import runbook
 from trainer.train.data import batch_index
 
@@ -81,7 +82,7 @@ def test_a_loss_jump_holds_then_reports_the_offending_span():
     spike = actions[1][1]
     assert (spike["began"], spike["end"], spike["open"], spike["signal"]) == (41, 43, False, "loss")
     assert spike["batches"] == [41, 42, 43]  # steps 41..43 read batches 40..42, shifted by the earlier skip
-    assert logged[0]["event"] == "spike_detected" and logged[0]["value"] == 7.5
+    assert logged[0]["event"] == E.SPIKE_DETECTED and logged[0]["value"] == 7.5
     assert logged[0]["threshold"] < 7.5 and logged[0]["sigma"] > 6
 
 
@@ -171,11 +172,11 @@ def test_a_restarted_detector_judges_against_the_history_before_it(tmp_path):
     """Restarted at step 40 (a rewind), it must catch a spike at step 42 with no warm-up of its own, from
     the latest record of each step <= 40 (a recomputed step counts once)."""
     stream = list(_stream(60))
-    old = [{"event": "step", "step": s, **r} for s, r in stream[:45]]
+    old = [{"event": E.STEP, "step": s, **r} for s, r in stream[:45]]
     old += [
-        {"event": "step", "step": s, "loss": 99.0, "grad_norm": 99.0, "update_norm": 0.3} for s in range(41, 45)
+        {"event": E.STEP, "step": s, "loss": 99.0, "grad_norm": 99.0, "update_norm": 0.3} for s in range(41, 45)
     ]  # the rewound trajectory: after step 40, never used
-    old.insert(10, {"event": "checkpoint_saved", "step": 10})
+    old.insert(10, {"event": E.CHECKPOINT_SAVED, "step": 10})
     _write_events(tmp_path / "events.jsonl", old)
     with open(tmp_path / "events.jsonl", "a") as fh:
         fh.write('{"event": "step", "step": 3, "lo')  # torn by a kill
@@ -187,7 +188,7 @@ def test_a_restarted_detector_judges_against_the_history_before_it(tmp_path):
 
 
 def test_recent_steps_reads_backwards_across_blocks(tmp_path, monkeypatch):
-    recs = [{"event": "step", "step": s, "loss": float(s), "pad": "x" * 50} for s in range(1, 101)]
+    recs = [{"event": E.STEP, "step": s, "loss": float(s), "pad": "x" * 50} for s in range(1, 101)]
     _write_events(tmp_path / "e.jsonl", recs)
     lines = list(events._lines_backwards(tmp_path / "e.jsonl", block=37))
     assert [json.loads(x)["step"] for x in lines] == list(range(100, 0, -1))
@@ -236,7 +237,7 @@ def _run_dir(tmp_path: Path, ckpts: list[int], spike: dict) -> Path:
         (run / "checkpoints" / str(s)).mkdir(parents=True)
         (run / "checkpoints" / str(s) / "marker").write_text(str(s))
     (run / "checkpoints" / "61.orbax-checkpoint-tmp-1").mkdir()
-    _write_events(run / "events.jsonl", [{"event": "worker_start"}, {"event": "spike_exit", **spike}])
+    _write_events(run / "events.jsonl", [{"event": E.WORKER_START}, {"event": E.SPIKE_EXIT, **spike}])
     return run
 
 
@@ -268,10 +269,10 @@ def test_respond_rewinds_skips_and_records_everything(tmp_path, monkeypatch):
     state = json.loads((run / "runbook.json").read_text())
     assert state["skips"] == [40, 41, 42] and state["pinned"] == [40] and state["lr_scale"] == 1.0
     kinds = {e["event"]: e for e in written}
-    assert kinds["rewind"]["from"] == 44 and kinds["rewind"]["to"] == 40 and kinds["rewind"]["moved"] == [60]
+    assert kinds[E.REWIND]["from"] == 44 and kinds[E.REWIND]["to"] == 40 and kinds[E.REWIND]["moved"] == [60]
     b = cfg.data.batch_size
-    assert kinds["skip"]["batches"] == [40, 41, 42] and kinds["skip"]["samples"] == [[40 * b, 43 * b - 1]]
-    assert kinds["skip"]["steps"] == [41, 43]
+    assert kinds[E.SKIP]["batches"] == [40, 41, 42] and kinds[E.SKIP]["samples"] == [[40 * b, 43 * b - 1]]
+    assert kinds[E.SKIP]["steps"] == [41, 43]
     assert list((run / "tb").iterdir())  # the TensorBoard marker
 
 
@@ -303,7 +304,7 @@ def test_respond_softens_on_recurrence_and_gives_up_saying_what_it_tried(tmp_pat
     assert out.action == "soften"
     state = json.loads((run / "runbook.json").read_text())
     assert (state["lr_scale"], state["clip_norm"], state["b2"], state["skips"]) == (0.5, 0.5, 0.9, [17])
-    soften = next(e for e in written if e["event"] == "soften")
+    soften = next(e for e in written if e["event"] == E.SOFTEN)
     assert soften["lr_scale"] == 0.5 and soften["clip_norm"] == 0.5 and soften["peak_lr"] == cfg.optim.lr / 2
     # What every later worker start reads back and sets in the optimizer state it restored or initialised
     # (trainer.train.loop), and the config it records.
@@ -315,9 +316,9 @@ def test_respond_softens_on_recurrence_and_gives_up_saying_what_it_tried(tmp_pat
     _write_events(
         run / "events.jsonl",
         [
-            {"event": "worker_start"},
+            {"event": E.WORKER_START},
             {
-                "event": "spike_exit",
+                "event": E.SPIKE_EXIT,
                 **_spike(26, step=28),
                 "signal": "nonfinite_loss",
                 "value": math.nan,
@@ -330,13 +331,13 @@ def test_respond_softens_on_recurrence_and_gives_up_saying_what_it_tried(tmp_pat
     assert out.action == "give_up"
     assert "gave up after 2 actions" in out.message and "skipped batches 17" in out.message
     assert "softened: LR scale 0.5" in out.message
-    assert written[-1]["event"] == "runbook_gave_up" and len(written[-1]["tried"]) == 2
+    assert written[-1]["event"] == E.RUNBOOK_GAVE_UP and len(written[-1]["tried"]) == 2
 
 
 def test_a_spike_exit_code_without_a_spike_event_gives_up(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    _write_events(run / "events.jsonl", [{"event": "spike_exit", **_spike(5)}, {"event": "worker_start"}])
+    _write_events(run / "events.jsonl", [{"event": E.SPIKE_EXIT, **_spike(5)}, {"event": E.WORKER_START}])
     assert runbook.respond(run, Config(), lambda *a, **k: None).action == "give_up"
 
 
@@ -399,8 +400,8 @@ def _mismatch(run: Path, odd_processes: list[int], replicas: int) -> None:
         for r in range(replicas)
     ]
     log = events.EventLog(run / "events.jsonl")
-    log.write("worker_start", pid=1)
-    log.write("replica_mismatch", step=8, last_good=4, param="['wte']['embedding']", devices=devices)
+    log.write(E.WORKER_START, pid=1)
+    log.write(E.REPLICA_MISMATCH, step=8, last_good=4, param="['wte']['embedding']", devices=devices)
 
 
 def test_a_diverged_replica_blames_its_node_only_when_the_others_outvote_it(tmp_path):

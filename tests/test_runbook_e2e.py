@@ -17,6 +17,7 @@ from conftest import ROOT, child_env, events, run_trainer, step_losses, summary,
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from benchmarks.runbook_spike import write_corpora
+from trainer.store import event_names as E
 from trainer.supervise import exit_codes
 
 pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -m 'not slow')
@@ -53,11 +54,11 @@ def test_a_data_spike_is_rewound_and_exactly_its_batches_skipped(tmp_path):
     proc = run_trainer(run, *common, f"data.path={spiked}")
     assert "skipped batches 39-41" in proc.stderr
 
-    detected, spike_exit = _first(run, "spike_detected"), _first(run, "spike_exit")
+    detected, spike_exit = _first(run, E.SPIKE_DETECTED), _first(run, E.SPIKE_EXIT)
     assert (detected["step"], detected["began"], detected["signal"]) == (40, 40, "loss")
     assert detected["value"] > 2 * detected["mean"]
     assert (spike_exit["end"], spike_exit["open"], spike_exit["batches"]) == (42, False, bad)
-    rewind, skip = _first(run, "rewind"), _first(run, "skip")
+    rewind, skip = _first(run, E.REWIND), _first(run, E.SKIP)
     assert (rewind["from"], rewind["to"], rewind["moved"]) == (43, 30, [40])
     assert (run / "rewound" / "40-1").is_dir()
     assert skip["batches"] == bad == json.loads((run / "runbook.json").read_text())["skips"]
@@ -77,9 +78,9 @@ NAN = ["checkpoint.every_steps=5", "faults=[{kind: nan, step: 22}]"]
 def test_an_injected_nan_recovers_and_the_skip_list_survives_sigkill_bitwise(tmp_path, reference_run):
     whole = tmp_path / "whole"
     run_trainer(whole, *RB, *NAN)
-    detected = _first(whole, "spike_detected")
+    detected = _first(whole, E.SPIKE_DETECTED)
     assert (detected["step"], detected["signal"], detected["began"]) == (23, "nonfinite_update_norm", 23)
-    assert (_first(whole, "rewind")["to"], _first(whole, "skip")["batches"]) == (20, [22])
+    assert (_first(whole, E.REWIND)["to"], _first(whole, E.SKIP)["batches"]) == (20, [22])
     assert math.isfinite(summary(whole)["final_loss"])
     assert abs(summary(whole)["final_loss"] / summary(reference_run())["final_loss"] - 1) < 0.05
 
@@ -90,7 +91,7 @@ def test_an_injected_nan_recovers_and_the_skip_list_survives_sigkill_bitwise(tmp
     cmd = trainer_cmd(killed, *RB, "checkpoint.every_steps=5", slow)
     sup = psutil.Popen(cmd, cwd=ROOT, env=child_env(), stdout=open(tmp_path / "out", "w"), stderr=-2)
     deadline = time.time() + 240
-    while not any(e["event"] == "step" and e["step"] >= 27 for e in _after_skip(killed)):
+    while not any(e["event"] == E.STEP and e["step"] >= 27 for e in _after_skip(killed)):
         assert time.time() < deadline and sup.poll() is None, "never got past the skip"
         time.sleep(0.1)
     workers = sup.children(recursive=True)
@@ -98,7 +99,7 @@ def test_an_injected_nan_recovers_and_the_skip_list_survives_sigkill_bitwise(tmp
     psutil.wait_procs(workers, timeout=30)
     assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
     run_trainer(killed, *RB, "checkpoint.every_steps=5", slow)
-    restores = [e["step"] for e in events(killed) if e["event"] == "restore"]
+    restores = [e["step"] for e in events(killed) if e["event"] == E.RESTORE]
     assert restores == [20, 25]  # the rewind, then the resume after the kill
     assert summary(killed)["params_sha256"] == summary(whole)["params_sha256"]
     assert _latest_losses(killed) == _latest_losses(whole)
@@ -109,7 +110,7 @@ def _after_skip(run: Path) -> list[dict]:
     if not (run / "events.jsonl").is_file():
         return []
     evs = events(run)
-    i = next((i for i, e in enumerate(evs) if e["event"] == "skip"), None)
+    i = next((i for i, e in enumerate(evs) if e["event"] == E.SKIP), None)
     return [] if i is None else evs[i:]
 
 
@@ -134,12 +135,12 @@ def test_a_recurring_spike_softens_and_a_persistent_one_gives_up(tmp_path):
     assert "runbook gave up after 2 actions" in proc.stderr and "skipped batches" in proc.stderr
     assert "softened: LR scale 0.5, clip 0.5, b2 0.9" in proc.stderr
     evs = events(run)
-    assert [e["event"] for e in evs if e["event"] in ("skip", "soften", "runbook_gave_up")] == [
-        "skip",
-        "soften",
-        "runbook_gave_up",
+    assert [e["event"] for e in evs if e["event"] in (E.SKIP, E.SOFTEN, E.RUNBOOK_GAVE_UP)] == [
+        E.SKIP,
+        E.SOFTEN,
+        E.RUNBOOK_GAVE_UP,
     ]
-    soften = _first(run, "soften")
+    soften = _first(run, E.SOFTEN)
     lr = yaml.safe_load((run / "config.yaml").read_text())["optim"]
     assert (soften["lr_scale"], soften["clip_norm"], soften["b2"]) == (0.5, 0.5, 0.9)
     assert (lr["lr"], lr["clip_norm"], lr["b2"]) == (soften["peak_lr"], 0.5, 0.9) == (1e-3, 0.5, 0.9)
@@ -152,12 +153,12 @@ def test_a_recurring_spike_softens_and_a_persistent_one_gives_up(tmp_path):
     assert len(at25) == 2 and math.isclose(at25[1], at25[0] / 2, rel_tol=1e-6)
     # The first step after the softened restart's restore (20 -> 21) already trains at half the LR: the
     # checkpoint held the old scale, and runbook.json's is set in the restored optimizer state.
-    at21 = [e["lr"] for e in evs if e["event"] == "step" and e["step"] == 21]
+    at21 = [e["lr"] for e in evs if e["event"] == E.STEP and e["step"] == 21]
     assert len(at21) == 2 and at21[1] == at21[0] / 2, at21
     # The dashboard's markers: each spike, rewind, skip and soften at the step of its event, written by the
     # worker that starts after it (none follows the give-up: runbook/action above marks that one).
-    last_start = max(i for i, e in enumerate(evs) if e["event"] == "worker_start")
-    for name, kind in (("spike", "spike_detected"), ("rewind", "rewind"), ("skip", "skip"), ("soften", "soften")):
+    last_start = max(i for i, e in enumerate(evs) if e["event"] == E.WORKER_START)
+    for name, kind in (("spike", E.SPIKE_DETECTED), ("rewind", E.REWIND), ("skip", E.SKIP), ("soften", E.SOFTEN)):
         want = [e["step"] for e in evs[:last_start] if e["event"] == kind]
         assert len(want) == (1 if name in ("skip", "soften") else 2), (name, want)
         tags = tb.Tags()["scalars"]  # a missing tag fails this assert (tb.Scalars alone would raise a KeyError)

@@ -11,6 +11,7 @@ from conftest import events, run_trainer
 
 from trainer.ckpt.save_policy import AUTO_PRIOR_BLOCKING_S, Requests, Save, SavePolicy
 from trainer.config import CheckpointConfig, ConfigError, load_config
+from trainer.store import event_names as E
 from trainer.survival.model import recommend_interval_min
 
 
@@ -119,10 +120,10 @@ def test_auto_saves_periodically_in_a_real_run_priced_with_its_own_startup(tmp_p
         worker=True,
     )
     ev = events(run)
-    timed = [e["step"] for e in ev if e["event"] == "checkpoint_saved" and e["reason"] == "periodic"]
-    assert timed and max(timed) < 24, [(e["step"], e.get("reason")) for e in ev if e["event"] == "checkpoint_saved"]
-    startup = next(e["startup_s"] for e in ev if e["event"] == "worker_ready")
-    intervals = [e for e in ev if e["event"] == "checkpoint_interval"]
+    timed = [e["step"] for e in ev if e["event"] == E.CHECKPOINT_SAVED and e["reason"] == "periodic"]
+    assert timed and max(timed) < 24, [(e["step"], e.get("reason")) for e in ev if e["event"] == E.CHECKPOINT_SAVED]
+    startup = next(e["startup_s"] for e in ev if e["event"] == E.WORKER_READY)
+    intervals = [e for e in ev if e["event"] == E.CHECKPOINT_INTERVAL]
     assert intervals and all(e["restart_s"] == startup for e in intervals), intervals
 
 

@@ -29,6 +29,8 @@ from slurm_cluster import (
     wait_job,
 )
 
+from trainer.store import event_names as E
+
 pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -m 'not slow')
 
 
@@ -79,7 +81,7 @@ def test_sbatch_job_survives_a_killed_task_and_a_preemption(tmp_path, tmp_path_f
     print(f"SLURM job: {time.time() - t0:.0f}s including cluster start and stop")
 
     evs = events(run)
-    exits = [e for e in evs if e["event"] == "worker_exit"]
+    exits = [e for e in evs if e["event"] == E.WORKER_EXIT]
     host = exits[0]["first_task_error"][0]
     # srun lists task failures in the order it hears them: usually the SIGKILLed task first, but the survivor
     # (process 0, hosting jax's coordination service) may abort on the lost peer before slurmstepd reports the
@@ -87,14 +89,14 @@ def test_sbatch_job_survives_a_killed_task_and_a_preemption(tmp_path, tmp_path_f
     # the abort at once). The supervisor now waits for more reports after an abort: the kill is reported.
     reported = exits[0].get("task_errors", [exits[0]["first_task_error"]])
     assert [host, -signal.SIGKILL] in reported and exits[0]["signal"] in ("SIGKILL", "SIGABRT"), exits[0]
-    starts = [e for e in evs if e["event"] == "worker_start"]
+    starts = [e for e in evs if e["event"] == E.WORKER_START]
     # The killed task's node is suspect; with no spare in a one-node allocation the step reuses it.
     assert starts[1]["suspect_nodes"] == [host] and starts[1]["nodes"] == [host] and starts[1]["processes"] == 2
-    (preempt_save,) = [e for e in evs if e["event"] == "checkpoint_saved" and e["reason"] == "preempt"]
+    (preempt_save,) = [e for e in evs if e["event"] == E.CHECKPOINT_SAVED and e["reason"] == "preempt"]
     # The requeued job resumed from exactly the checkpoint the preemption saved.
-    restores = [e for e in evs if e["event"] == "restore" and e["time"] > preempt_save["time"]]
+    restores = [e for e in evs if e["event"] == E.RESTORE and e["time"] > preempt_save["time"]]
     assert restores and restores[0]["step"] == preempt_save["step"] and restores[0]["tier"] == "durable", restores
-    assert exits[1]["exit_code"] == 75 and any(e["event"] == "preempted" for e in evs)
+    assert exits[1]["exit_code"] == 75 and any(e["event"] == E.PREEMPTED for e in evs)
     assert "restart 1" in log and "supervisor exited 75" in log
     assert summary(run)["params_sha256"] == summary(ref_run)["params_sha256"]
     st = audit(run, "--compare", str(ref_run))

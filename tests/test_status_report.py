@@ -15,7 +15,7 @@ from conftest import ROOT, child_env, events, step_losses, trainer_cmd
 from test_first_hour import _figures
 
 from trainer.observe import goodput, report, runview
-from trainer.store import event_names
+from trainer.store import event_names as E
 
 PNGS = ("loss.png", "grad_norm.png", "throughput.png", "goodput.png")
 # The worker kills itself with SIGUSR2 at step 12 (the `signal` fault; restart from the step-10 checkpoint),
@@ -41,10 +41,10 @@ def _steps_after_restart(run: Path) -> int:
     except OSError:
         return 0
     evs = [json.loads(x) for x in lines if x.strip().endswith("}")]
-    starts = [i for i, e in enumerate(evs) if e["event"] in event_names.ATTEMPT_STARTS]
+    starts = [i for i, e in enumerate(evs) if e["event"] in E.ATTEMPT_STARTS]
     if len(starts) < 2:
         return 0
-    return max((e["step"] for e in evs[starts[-1] :] if e["event"] == "step"), default=0)
+    return max((e["step"] for e in evs[starts[-1] :] if e["event"] == E.STEP), default=0)
 
 
 def _check_pngs(folder: Path) -> None:
@@ -83,7 +83,7 @@ def test_status_and_report_while_running_and_after_restarts(tmp_path, monkeypatc
     md = (run / "report" / "report.md").read_text()
     assert "COMPLETE" in md and "restart" in md and "![loss.png](loss.png)" in md
     assert runview.steady_step_s(run) > 0
-    (died,) = [e for e in events(run) if e["event"] == "worker_exit" and e.get("signal")]
+    (died,) = [e for e in events(run) if e["event"] == E.WORKER_EXIT and e.get("signal")]
     assert died["signal"] == "SIGUSR2" and died["step"] == 12, died  # the signal the fault names
     _report_shows_the_run(run, monkeypatch)
 
@@ -96,9 +96,9 @@ def _report_shows_the_run(run: Path, monkeypatch) -> None:
     series = [ln for ln in ax.get_lines() if ln.get_color() == "tab:blue"]
     by_attempt: list[dict] = []  # step -> loss, per worker attempt (each begins with init or restore)
     for e in events(run):
-        if e["event"] in event_names.ATTEMPT_STARTS:
+        if e["event"] in E.ATTEMPT_STARTS:
             by_attempt.append({})
-        elif e["event"] == "step":
+        elif e["event"] == E.STEP:
             by_attempt[-1][e["step"]] = e["loss"]
     assert len(by_attempt) == 2 and [ln.get_linestyle() for ln in series] == ["-", "--"], series
     for line, want in zip(series, by_attempt):
@@ -113,7 +113,7 @@ def _report_shows_the_run(run: Path, monkeypatch) -> None:
     assert bars == [round(led[k], 6) for k in report.goodput_parts(ledger) if led[k] >= 0.05], (bars, led)
     assert ax.get_title().endswith("(1 restart)") and led["restart"] > 0 and led["recompute"] > 0
     # The restart's downtime, part by part: one bar, its segments the event's parts, in `status` and report.md.
-    (down,) = [e for e in events(run) if e["event"] == "downtime"]
+    (down,) = [e for e in events(run) if e["event"] == E.DOWNTIME]
     (ax,) = figs["downtime.png"].axes
     assert [round(p.get_width(), 6) for p in ax.patches] == [round(v, 6) for v in down["parts_s"].values()]
     assert f"downtime  last {down['total_s']:.1f}s (signal SIGUSR2" in _cli("status", str(run)).stdout
@@ -130,30 +130,30 @@ def test_the_goodput_ledger_puts_known_seconds_in_each_category():
         return {"event": kind, "time": t + at, **f}
 
     def step(n, at, step_s=2.0, block=0.0):
-        return ev("step", at, step=n, step_s=step_s, ckpt_block_s=block)
+        return ev(E.STEP, at, step=n, step_s=step_s, ckpt_block_s=block)
 
     history = [
-        ev("supervisor_start", 0),
-        ev("worker_start", 0.5, by="supervisor"),
+        ev(E.SUPERVISOR_START, 0),
+        ev(E.WORKER_START, 0.5, by="supervisor"),
         step(1, 10),
         step(2, 12, block=0.5),
         step(3, 14),  # startup: 0 -> 8 (step 1 began at 10 - 2)
-        ev("worker_exit", 15, by="supervisor", exit_code=13),
-        ev("restart", 15.25, by="supervisor"),
-        ev("worker_start", 15.5, by="supervisor"),
+        ev(E.WORKER_EXIT, 15, by="supervisor", exit_code=13),
+        ev(E.RESTART, 15.25, by="supervisor"),
+        ev(E.WORKER_START, 15.5, by="supervisor"),
         step(2, 25),
         step(3, 27),
         step(4, 29),  # 2 and 3 again: recomputed; recovery 15 -> 25
-        ev("run_complete", 31, step=4),  # the worker's: 29 -> 31 waiting for the final save to be durable
-        ev("worker_exit", 32, by="supervisor", exit_code=0),
-        ev("run_complete", 33, by="supervisor"),
+        ev(E.RUN_COMPLETE, 31, step=4),  # the worker's: 29 -> 31 waiting for the final save to be durable
+        ev(E.WORKER_EXIT, 32, by="supervisor", exit_code=0),
+        ev(E.RUN_COMPLETE, 33, by="supervisor"),
         # A resumed session 66 s later (the gap is no one's): its start-up counts as restart downtime.
-        ev("supervisor_start", 100),
+        ev(E.SUPERVISOR_START, 100),
         step(5, 110),
-        ev("hang_detected", 111, by="supervisor"),
-        ev("worker_start", 113, by="supervisor"),
+        ev(E.HANG_DETECTED, 111, by="supervisor"),
+        ev(E.WORKER_START, 113, by="supervisor"),
         step(6, 120, step_s=4.0),
-        ev("run_complete", 122, step=6),
+        ev(E.RUN_COMPLETE, 122, step=6),
     ]
     history.insert(3, history.pop())  # file order is not time order: the ledger sorts by time
     led = goodput.ledger(history, t, t + 125)
@@ -181,19 +181,19 @@ def test_a_straggler_costs_the_group_its_lost_step_time_and_the_drain_its_restar
     the time from its exit to the first step of the group without it."""
     t = 0.0
     history = [
-        {"event": "supervisor_start", "time": t},
+        {"event": E.SUPERVISOR_START, "time": t},
         *(
-            {"event": "step", "time": t + 6 + 2 * n, "step": n, "step_s": 2.0, "ckpt_block_s": 0.0}
+            {"event": E.STEP, "time": t + 6 + 2 * n, "step": n, "step_s": 2.0, "ckpt_block_s": 0.0}
             for n in (1, 2, 3, 4)
         ),
-        {"event": "straggler", "time": t + 13, "by": "supervisor", "process": 1, "lost_s": 1.5},
-        {"event": "preempted", "time": t + 15, "step": 4},  # the worker's: its save-and-stop took 1 s
-        {"event": "straggler_cleared", "time": t + 15.2, "by": "supervisor", "process": 1, "lost_s": 0.5},
-        {"event": "worker_exit", "time": t + 15.4, "by": "supervisor", "exit_code": 75},
-        {"event": "straggler_drained", "time": t + 15.5, "by": "supervisor", "process": 1},
-        {"event": "worker_start", "time": t + 16, "by": "supervisor"},
-        {"event": "step", "time": t + 25, "step": 5, "step_s": 2.0, "ckpt_block_s": 0.0},  # began at 23
-        {"event": "run_complete", "time": t + 26, "step": 5},
+        {"event": E.STRAGGLER, "time": t + 13, "by": "supervisor", "process": 1, "lost_s": 1.5},
+        {"event": E.PREEMPTED, "time": t + 15, "step": 4},  # the worker's: its save-and-stop took 1 s
+        {"event": E.STRAGGLER_CLEARED, "time": t + 15.2, "by": "supervisor", "process": 1, "lost_s": 0.5},
+        {"event": E.WORKER_EXIT, "time": t + 15.4, "by": "supervisor", "exit_code": 75},
+        {"event": E.STRAGGLER_DRAINED, "time": t + 15.5, "by": "supervisor", "process": 1},
+        {"event": E.WORKER_START, "time": t + 16, "by": "supervisor"},
+        {"event": E.STEP, "time": t + 25, "step": 5, "step_s": 2.0, "ckpt_block_s": 0.0},  # began at 23
+        {"event": E.RUN_COMPLETE, "time": t + 26, "step": 5},
     ]
     secs = goodput.ledger(history, t, t + 27)["goodput"]["seconds"]
     # productive 5 x 2 - 2 lost; straggler 2 lost + the drain 23 - 15.5; checkpoint 15 - 14 and 26 - 25;
@@ -220,11 +220,11 @@ def test_the_goodput_bar_and_table_run_largest_first_and_say_so(tmp_path, monkey
 
     t = 1000.0
     history = [
-        {"event": "supervisor_start", "time": t},
-        *({"event": "step", "time": t + 8 + 2 * n, "step": n, "step_s": 2.0, "ckpt_block_s": 0.0} for n in (1, 2, 3)),
-        {"event": "worker_exit", "time": t + 15, "by": "supervisor", "exit_code": 13},
-        {"event": "step", "time": t + 30, "step": 4, "step_s": 2.0, "ckpt_block_s": 0.5},
-        {"event": "run_complete", "time": t + 32, "step": 4},
+        {"event": E.SUPERVISOR_START, "time": t},
+        *({"event": E.STEP, "time": t + 8 + 2 * n, "step": n, "step_s": 2.0, "ckpt_block_s": 0.0} for n in (1, 2, 3)),
+        {"event": E.WORKER_EXIT, "time": t + 15, "by": "supervisor", "exit_code": 13},
+        {"event": E.STEP, "time": t + 30, "step": 4, "step_s": 2.0, "ckpt_block_s": 0.5},
+        {"event": E.RUN_COMPLETE, "time": t + 32, "step": 4},
     ]
     led = goodput.ledger(history, t, t + 33)
     secs = led["goodput"]["seconds"]

@@ -16,6 +16,7 @@ from multihost import TWO, group_overrides, small_corpus
 
 from trainer.config import StragglerConfig
 from trainer.observe.heartbeat import heartbeat_path
+from trainer.store import event_names as E
 from trainer.store.rundir import read_json
 from trainer.supervise.straggler import StragglerWatch
 
@@ -287,10 +288,10 @@ def test_a_slowed_process_is_named_then_cleared_and_an_ecc_rise_on_it_checkpoint
         env={"TRAINER_NODE_NAME": "host{process}"},
     )
     evs = events(run)
-    verdicts = [e for e in evs if e["event"] == "straggler"]
+    verdicts = [e for e in evs if e["event"] == E.STRAGGLER]
     assert len(verdicts) == 1, verdicts
     verdict = verdicts[0]
-    steps = {e["step"]: e["step_s"] for e in evs if e["event"] == "step"}
+    steps = {e["step"]: e["step_s"] for e in evs if e["event"] == E.STEP}
     assert (verdict["process"], verdict["node"], verdict["section"]) == (1, "host1", "host"), verdict
     assert SLOW_FROM < verdict["step"] <= SLOW_FROM + K, (verdict["step"], K)
     # the verdict's slowdown is the one the run shows over the steps it names, against the calm windows it names
@@ -308,21 +309,21 @@ def test_a_slowed_process_is_named_then_cleared_and_an_ecc_rise_on_it_checkpoint
     # 300-700 ms, so the next window was not admitted as calm, while the test's mean of steps 6-24 took them in).
     assert StragglerConfig().factor <= verdict["slowdown"] and 0.7 <= ratio <= 1.5, (verdict, during / before)
     # cleared once the slowdown is over: after a whole calm window, within K steps of its end
-    [cleared] = [e for e in evs if e["event"] == "straggler_cleared"]
+    [cleared] = [e for e in evs if e["event"] == E.STRAGGLER_CLEARED]
     assert cleared["process"] == 1 and SLOW_END + WINDOW < cleared["step"] <= SLOW_END + K, (cleared, SLOW_END)
-    [alert] = [e for e in evs if e["event"] == "alert" and e["kind"] == "straggler"]
+    [alert] = [e for e in evs if e["event"] == E.ALERT and e["kind"] == "straggler"]
     assert "process 1 on node host1" in alert["detail"], alert
     # the ledger moves what the straggler cost out of productive time
     lost = verdict["lost_s"] + cleared["lost_s"]
     assert lost > 0 and summary(run)["goodput"]["seconds"]["straggler"] == pytest.approx(lost, rel=1e-9)
 
     # Health from every host: process 1's ECC rise is its alert, names its node, and checkpoints the group.
-    health = {e["process"] for e in evs if e["event"] == "health"}
+    health = {e["process"] for e in evs if e["event"] == E.HEALTH}
     assert health == {0, 1}
-    [ecc] = [e for e in evs if e["event"] == "alert" and e["kind"] == "ecc_rising"]
+    [ecc] = [e for e in evs if e["event"] == E.ALERT and e["kind"] == "ecc_rising"]
     assert (ecc["process"], ecc["node"]) == (1, "host1")
-    [now] = [e for e in evs if e["event"] == "checkpoint_now"]
-    saved = [e for e in evs if e["event"] == "checkpoint_saved" and e["reason"] != "periodic"]
+    [now] = [e for e in evs if e["event"] == E.CHECKPOINT_NOW]
+    saved = [e for e in evs if e["event"] == E.CHECKPOINT_SAVED and e["reason"] != "periodic"]
     assert now["node"] == "host1" and saved[0]["step"] - now["step"] <= 3, (now, saved)
     # ... and TensorBoard shows it in process 1's own run, beside process 0's (the run's) health
     hosts = run / "tb" / "hosts"
@@ -360,9 +361,9 @@ def test_a_run_that_pauses_once_saves_evaluates_and_restarts_names_no_one(tmp_pa
         "{kind: crash, step: 31, process: 1}]",
     )
     evs = events(run)
-    assert [e for e in evs if e["event"] in ("straggler", "alert") and e.get("kind", "straggler") == "straggler"] == []
+    assert [e for e in evs if e["event"] in (E.STRAGGLER, E.ALERT) and e.get("kind", "straggler") == "straggler"] == []
     kinds = [e["event"] for e in evs]
-    assert kinds.count("restart") == 1 and kinds.count("checkpoint_saved") >= 4 and kinds.count("eval") >= 3, kinds
+    assert kinds.count(E.RESTART) == 1 and kinds.count(E.CHECKPOINT_SAVED) >= 4 and kinds.count(E.EVAL) >= 3, kinds
     # the watch had windows to judge: each process marked at least WINDOWS of them in the attempt after the
     # restart (every mark is one window of clean steps, the same steps on both)
     for i in range(2):

@@ -15,6 +15,7 @@ import pytest
 from conftest import ROOT, child_env, events, run_trainer, step_losses, summary, trainer_cmd
 
 from trainer.config import SupervisorConfig
+from trainer.store import event_names as E
 from trainer.supervise import exit_codes
 
 pytestmark = pytest.mark.slow  # every test here trains end to end (fast loop: -m 'not slow')
@@ -101,7 +102,7 @@ def test_hangs_in_every_phase_are_detected_by_their_own_timeout_dumped_and_recov
     second = _heartbeat(run)
     out, err = sup.communicate(timeout=600)
     assert sup.returncode == 0, err[-3000:]
-    hangs = [e for e in events(run) if e["event"] == "hang_detected"]
+    hangs = [e for e in events(run) if e["event"] == E.HANG_DETECTED]
     phases = ["startup", "restore", "compile", "step", "checkpoint", second["phase"]]
     assert [(h["phase"], h["step"], h["timeout_s"]) for h in hangs] == [
         (p, s, TIMEOUTS[p]) for p, s in zip(phases, (0, 0, 0, 8, 10, second["step"]))
@@ -131,11 +132,11 @@ def test_sigterm_saves_and_exits_with_the_requeue_code(tmp_path, reference_run):
     sup.send_signal(signal.SIGTERM)
     out, err = sup.communicate(timeout=300)
     assert sup.returncode == exit_codes.PREEMPTED, err[-2000:]
-    saved = [e for e in events(run) if e["event"] == "checkpoint_saved"]
+    saved = [e for e in events(run) if e["event"] == E.CHECKPOINT_SAVED]
     assert saved and saved[-1]["reason"] == "preempt"
     assert "preempted at step" in err
     run_trainer(run, "checkpoint.every_steps=100")
-    assert [e["step"] for e in events(run) if e["event"] == "restore"] == [saved[-1]["step"]]
+    assert [e["step"] for e in events(run) if e["event"] == E.RESTORE] == [saved[-1]["step"]]
     _assert_same_as_reference(run, ref)
 
 
@@ -146,7 +147,7 @@ def test_a_sigterm_in_the_last_step_finishes_the_run_instead_of_asking_for_a_req
     run = tmp_path / "run"
     proc = run_trainer(run, "faults=[{kind: signal, step: 29, signal: SIGTERM}]", worker=True, check=False)
     assert proc.returncode == exit_codes.OK, proc.stderr[-2000:]
-    assert [e["reason"] for e in events(run) if e["event"] == "checkpoint_saved"][-1] == "preempt"
+    assert [e["reason"] for e in events(run) if e["event"] == E.CHECKPOINT_SAVED][-1] == "preempt"
     _assert_same_as_reference(run, ref)
 
 
@@ -160,10 +161,10 @@ def test_a_crash_loop_gives_up_with_the_step_and_the_last_error(tmp_path):
     evs = events(run)
     # Promptly, counted rather than timed: the crash_loop_restarts-th failure at the step ends it (no more
     # attempts), after one retry at once and one after backoff_s.
-    attempts = [e["event"] for e in evs].count("worker_exit")
+    attempts = [e["event"] for e in evs].count(E.WORKER_EXIT)
     assert attempts == SupervisorConfig().crash_loop_restarts == 3, attempts
-    assert [e["backoff_s"] for e in evs if e["event"] == "restart"] == [0.0, 0.2]
-    assert evs[-1]["event"] == "gave_up"
+    assert [e["backoff_s"] for e in evs if e["event"] == E.RESTART] == [0.0, 0.2]
+    assert evs[-1]["event"] == E.GAVE_UP
 
 
 def test_the_restart_budget_ends_the_run_with_exit_77_after_bounded_backoff(tmp_path):
@@ -184,14 +185,14 @@ def test_the_restart_budget_ends_the_run_with_exit_77_after_bounded_backoff(tmp_
     assert proc.returncode == exit_codes.RESTART_BUDGET, proc.stderr[-2000:]
     assert f"giving up ({exit_codes.NAMES[exit_codes.RESTART_BUDGET]})" in proc.stderr, proc.stderr[-2000:]
     evs = events(run)
-    restarts = [e for e in evs if e["event"] == "restart"]
+    restarts = [e for e in evs if e["event"] == E.RESTART]
     assert [r["backoff_s"] for r in restarts] == [0.0, 0.2, 0.4, 0.5]
     # ... and it waited that long: each next worker started no sooner than its restart's delay.
-    starts = [e["time"] for e in evs if e["event"] == "worker_start"][1:]
+    starts = [e["time"] for e in evs if e["event"] == E.WORKER_START][1:]
     assert len(starts) == 4 and all(t - r["time"] >= r["backoff_s"] for r, t in zip(restarts, starts))
-    (gave_up,) = [e for e in evs if e["event"] == "gave_up"]
+    (gave_up,) = [e for e in evs if e["event"] == E.GAVE_UP]
     assert gave_up["restarts"] == 4 and gave_up["reason"] == "restart budget spent", gave_up
-    assert [e["event"] for e in evs].count("worker_exit") == 5
+    assert [e["event"] for e in evs].count(E.WORKER_EXIT) == 5
 
 
 def test_a_second_supervisor_on_the_same_run_dir_is_refused(tmp_path):
@@ -219,9 +220,9 @@ def test_restart_uses_the_compilation_cache(tmp_path, reference_run):
         f"run.compile_cache={cache}",
         "faults=[{kind: slow, step: 2, seconds: 0.3, count: 22}, {kind: crash, step: 25}]",
     )
-    compiles = [e["seconds"] for e in events(run) if e["event"] == "compiled"]
+    compiles = [e["seconds"] for e in events(run) if e["event"] == E.COMPILED]
     assert len(compiles) == 2 and compiles[1] < 0.5 * compiles[0], compiles
-    starts = [e for e in events(run) if e["event"] == "worker_start"]
+    starts = [e for e in events(run) if e["event"] == E.WORKER_START]
     assert "standby" not in starts[0] and starts[1].get("standby") in ("ready", "starting"), starts
     assert not list((run / "heartbeat").glob("standby-*.ready"))  # the next standby was let go at the end
     _assert_same_as_reference(run, reference_run())  # the executable from the cache computes the same bits

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from trainer.store import event_names as E
 from trainer.survival import cli
 from trainer.survival import model as survival
 from trainer.survival.model import Inputs, exact, expectation, recommend_interval_min, sweep
@@ -161,10 +162,10 @@ def test_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def write_run(run_dir: Path) -> None:
-    events = [{"event": "run_start", "time": 0.0}]
+    events = [{"event": E.SESSION_START, "time": 0.0}]
     events += [
         {
-            "event": "step",
+            "event": E.STEP,
             "time": float(i),
             "step": i,
             "loss": 3.0,
@@ -176,7 +177,7 @@ def write_run(run_dir: Path) -> None:
         for i, mfu in enumerate([0.40, 0.42, 0.50])
     ]
     events += [
-        {"event": "checkpoint_saved", "time": 10.0 + i, "step": i, "blocking_s": b}
+        {"event": E.CHECKPOINT_SAVED, "time": 10.0 + i, "step": i, "blocking_s": b}
         for i, b in enumerate([2.0, 3.0, 10.0])
     ]
     lines = [json.dumps(e) for e in events] + ["{not json"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainer.store import ckpt_files as checkpoint_files
+from trainer.store import event_names as E
 from trainer.store import manifest
 from trainer.store.ckpt_files import DURABLE, LOCAL
 
@@ -103,7 +104,7 @@ def test_verify_false_writes_no_manifests_and_restores_without_them_verify_true_
     # verify=true: the same checkpoints are unverified (no manifests), rejected in both tiers, set aside
     log: list[dict] = []
     assert restore(tiers(run, local, log=log)) is None
-    rejected = [(e["step"], e["tier"], e["reason"].split(":")[0]) for e in log if e["event"] == "checkpoint_rejected"]
+    rejected = [(e["step"], e["tier"], e["reason"].split(":")[0]) for e in log if e["event"] == E.CHECKPOINT_REJECTED]
     assert rejected == [(10, LOCAL, "unverified"), (5, DURABLE, "unverified")], log
 
 
@@ -123,7 +124,7 @@ def test_a_checkpoint_that_verifies_but_does_not_load_is_rejected_and_the_previo
         assert manifest.verify(step_dir) is None  # it verifies
     log: list[dict] = []
     assert restore(tiers(run, local, log=log)) == (5, DURABLE, 5.0), "a checkpoint that did not load was used"
-    rejected = [(e["step"], e["tier"], e["reason"].split(":")[0]) for e in log if e["event"] == "checkpoint_rejected"]
+    rejected = [(e["step"], e["tier"], e["reason"].split(":")[0]) for e in log if e["event"] == E.CHECKPOINT_REJECTED]
     assert rejected == [(12, LOCAL, "unreadable"), (10, DURABLE, "unreadable")], log
     assert [p.name.split("-")[0] for p in (run / checkpoint_files.REJECTED).iterdir()] == ["10"]
     assert [p.name.split("-")[1] for p in (local12.parents[1] / checkpoint_files.LOCAL_REJECTED).iterdir()] == ["12"]
