@@ -48,6 +48,23 @@ class Restored:
     sources: dict | None = None  # a local restore: for each process, which process (node) gave its shards
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """The group's verdict on a checkpoint (`agreed`): sound, or the first problem any process found (its file
+    and reason) and which process found it, so that the one holding a bad local copy moves it aside."""
+
+    problem: manifest.Problem | None = None
+    process: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+    def fields(self) -> dict:
+        """What the checkpoint_rejected event says of the problem."""
+        return {"file": self.problem.file, "reason": self.problem.reason, "process": self.process}
+
+
 def _preservation(keep: int, keep_every: int, pinned: Callable[[list[int]], set[int]]):
     policies: list = [cm.LatestN(keep), _Pinned(pinned)]
     if keep_every:
@@ -355,19 +372,19 @@ class Checkpointer:
             self.failure = self.failure or self._describe(None, e)
 
 
-def agreed(check: Callable[[], manifest.Problem | None]) -> dict | None:
-    """Run a check of a checkpoint on every process (each its share); the first problem any process found, as
-    {file, reason, process}, or None: the same verdict on all. A check that itself failed is a verdict
-    against the checkpoint (every process still reaches the gather: none is left waiting in it)."""
+def agreed(check: Callable[[], manifest.Problem | None]) -> Verdict:
+    """Run a check of a checkpoint on every process (each its share): the same verdict on all. A check that
+    itself failed is a verdict against the checkpoint (every process still reaches the gather: none is left
+    waiting in it). Each process's problem crosses as {file, reason} or null, converted here only."""
     try:
         p = check()
         mine = None if p is None else {"file": p.file, "reason": p.reason}
     except Exception as e:
         mine = {"file": "", "reason": f"check failed: {e!r}"[:300]}
-    for i, verdict in enumerate(allgather_json(mine)):
-        if verdict is not None:
-            return dict(verdict, process=i)
-    return None
+    for i, theirs in enumerate(allgather_json(mine)):
+        if theirs is not None:
+            return Verdict(manifest.Problem(theirs["file"], theirs["reason"]), i)
+    return Verdict()
 
 
 @dataclass
