@@ -1301,7 +1301,7 @@ MUTATIONS = [
     M(
         "disk_full_never_injected",
         "the disk_full fault is recorded but the save it names goes through",
-        (("trainer/train/loop.py", "        w.ckpt.durable.inject = OSError(", "        _ = OSError("),),
+        (("trainer/faults/injector.py", "            storage.fail_next_save(OSError(", "            _ = (OSError("),),
         ("tests/test_drill.py::test_a_disk_full_fault_fails_its_save_and_the_run_restarts_when_there_is_room",),
         catch="assert len(failures) == 1",
     ),

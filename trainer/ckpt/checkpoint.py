@@ -171,7 +171,7 @@ class Checkpointer:
         # Manifest identity: a local checkpoint is one process's own; a durable one is shared by all.
         self.writer, self.writers = (0, 1) if local else (jax.process_index(), jax.process_count())
         self.failure: str | None = None  # set when a save could not be written
-        self.inject: OSError | None = None  # the disk_full fault: the next save fails with it, as a full disk does
+        self._fail_next: OSError | None = None  # a fault's error for the next save (fail_next_save)
         self._sealer: threading.Thread | None = None
         self._pinned = pinned
         extra: dict = {}
@@ -217,6 +217,11 @@ class Checkpointer:
     def step_dir(self, step: int) -> Path:
         return self.directory / str(step)
 
+    def fail_next_save(self, error: OSError) -> None:
+        """The next save raises `error` where Orbax's write would (the disk_full fault): it fails as a full disk
+        fails it, through the same description and `failure`."""
+        self._fail_next = error
+
     def save(self, step: int, state: Any, data_state: dict, meta: dict, *, held: Any = None) -> float:
         """Start a save; returns the seconds it blocked the caller (the device-to-host copy). `held`: another
         process's shards this process keeps a copy of (local tier; trainer.ckpt.buddy)."""
@@ -237,8 +242,9 @@ class Checkpointer:
         else:
             state_arg = ocp.args.StandardSave(state)
         try:
-            if self.inject is not None:
-                raise self.inject
+            if self._fail_next is not None:
+                error, self._fail_next = self._fail_next, None
+                raise error
             self.manager.save(
                 step,
                 force=True,

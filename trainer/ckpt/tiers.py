@@ -152,6 +152,11 @@ class Tiers:
                 shutil.rmtree(folder, ignore_errors=True)
                 self._readers.pop(folder.name, None)
 
+    def fail_next_save(self, error: OSError) -> None:
+        """The disk_full fault (trainer.faults.injector): the next durable save fails with `error`, as the file
+        system would fail it."""
+        self.durable.fail_next_save(error)
+
     def failure(self) -> str | None:
         """Why a durable save could not be written, or None (asked every step). A local one never ends the
         run: `drop_failed_local`."""
