@@ -114,10 +114,8 @@ def _single_process_writes() -> None:
     """One process: durable saves write each replicated array from its first replica, as Orbax itself does on
     GPU (jax_array_handlers._get_default_use_replica_parallel: off when JAX_PLATFORMS names gpu or cuda).
     Replica-parallel writes spread a replicated array's bytes over the processes holding it; within one
-    process there is nothing to spread, and on CPU (where Orbax leaves it on) the split only added a
-    compiled slice per array shape to the process's first save: ~1 s of every restart, measured. Several
-    processes keep Orbax's default (on CPU, so in the multi-process tests, each writes its slice of the
-    replicated arrays; on GPU the first replica writes them)."""
+    process there is nothing to spread, and on CPU (where Orbax leaves it on) the split only adds a compiled
+    slice per array shape to every restart's first save. Several processes keep Orbax's default."""
     ocp.type_handlers.register_type_handler(
         jax.Array,
         ocp.type_handlers.ArrayHandler(use_replica_parallel=False, array_metadata_store=_array_metadata_store()),
@@ -230,7 +228,7 @@ class Checkpointer:
             raise SaveFailed(self.failure)
         # The state is the output of the step still in flight. Orbax's copy would wait for it inside the
         # timed call, and the blocking figure (events, TensorBoard, goodput's checkpoint share, the "auto"
-        # interval) would charge the step's own compute to the save: 0.4-0.6 s of a 0.5 s step on CPU.
+        # interval) would charge the step's own compute to the save.
         jax.block_until_ready(state)
         t0 = time.perf_counter()
         extra = {}

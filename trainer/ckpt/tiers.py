@@ -210,12 +210,11 @@ class Tiers:
         """With a bucket, before anything is restored or saved: each staged step the bucket does not hold sealed
         is settled. One sealed on disk (every process's manifest there) had its upload cut short (a process lost
         mid-upload, its node with it): it is uploaded again, every process its share of the manifests, rather
-        than dropped for the older step before it (the node-loss test under load lost durable 10 that way, and
-        its requeued job started from step 0). One sealed nowhere (a process died between Orbax's commit and its
-        checksums) goes: the bucket is the record, and Orbax would refuse to save that step again. A bucket that
-        does not answer is a storage failure, as for a download. (A step deleted from the bucket while its
-        staged copy stayed sealed is uploaded again: the runbook's rewind and a rejection move the staged copy
-        aside first.) One listing of the bucket, by process 0, decides for all."""
+        than dropped for the older step before it. One sealed nowhere (a process died between Orbax's commit
+        and its checksums) goes: the bucket is the record, and Orbax would refuse to save that step again. A
+        bucket that does not answer is a storage failure, as for a download. (A step deleted from the bucket
+        while its staged copy stayed sealed is uploaded again: the runbook's rewind and a rejection move the
+        staged copy aside first.) One listing of the bucket, by process 0, decides for all."""
         if self.durable.bucket is None:
             return
         plan: dict[str, list[int]] = {"upload": [], "drop": []}

@@ -55,8 +55,8 @@ def durable_url(run_dir: str | Path, configured: str | None = None) -> str | Non
 
 def saved_durable_dir(run_dir: str | Path) -> str:
     """checkpoint.durable_dir as RUN_DIR/config.yaml records it ("" when unset, or no run yet). Read at each
-    call (a few ms; callers ask a few times a command, or once a poll while the supervisor waits for disk
-    room). observe.runview.saved_config reads the same file for the observers; this module sits below them."""
+    call: it is small, and callers ask a few times a command or once a poll. observe.runview.saved_config
+    reads the same file for the observers; this module sits below them."""
     path = Path(run_dir) / rundir.CONFIG
     if not path.is_file():  # no run yet, or RUN_DIR is not a directory (refused later, with its own line)
         return ""
