@@ -51,14 +51,14 @@ MUTATIONS = [
         (
             (
                 "trainer/ckpt/tiers.py",
-                "            self._move_aside(tier, step, problem)\n",
-                "            self._move_aside(tier, step, problem)\n            self.fell_back = True\n",
+                "            self._move_aside(tier, step, verdict)\n",
+                "            self._move_aside(tier, step, verdict)\n            self.fell_back = True\n",
             ),
             (
                 "trainer/ckpt/tiers.py",
-                "return max(cands, key=lambda c: (c[0], c[1] == LOCAL), default=None)",
+                "return max(holdings.candidates(views), key=lambda c: (c.step, c.tier == LOCAL), default=None)",
                 "return (min if getattr(self, 'fell_back', False) else max)"
-                "(cands, key=lambda c: (c[0], c[1] == LOCAL), default=None)",
+                "(holdings.candidates(views), key=lambda c: (c.step, c.tier == LOCAL), default=None)",
             ),
         ),
         tuple(
@@ -340,8 +340,8 @@ MUTATIONS = [
         (
             (
                 "trainer/ckpt/tiers.py",
-                "key=lambda c: (c[0], c[1] == LOCAL), default=None)",
-                "key=lambda c: (c[0], c[1] == DURABLE), default=None)",
+                "key=lambda c: (c.step, c.tier == LOCAL), default=None)",
+                "key=lambda c: (c.step, c.tier == DURABLE), default=None)",
             ),
         ),
         ("tests/test_tiers.py::test_at_the_same_step_the_local_copy_is_restored",),
@@ -350,14 +350,14 @@ MUTATIONS = [
     M(
         "local_copy_of_another_mesh_used",
         "a local copy saved under another mesh is restored",
-        (("trainer/ckpt/tiers.py", ' or saved.get("mesh") != layout["mesh"]:', ":"),),
+        (("trainer/ckpt/tiers.py", ' or meta.mesh != layout["mesh"]:', ":"),),
         ("tests/test_tiers.py::test_a_local_copy_is_used_only_with_the_mesh_and_process_count_it_was_saved_under",),
         catch='"another mesh"',
     ),
     M(
         "local_copy_of_another_process_count_used",
         "a local copy saved with another process count is restored",
-        (("trainer/ckpt/tiers.py", 'saved.get("processes") != layout["processes"] or ', ""),),
+        (("trainer/ckpt/tiers.py", 'meta.processes != layout["processes"] or ', ""),),
         ("tests/test_tiers.py::test_a_local_copy_is_used_only_with_the_mesh_and_process_count_it_was_saved_under",),
         catch='"another process count"',
     ),
@@ -490,7 +490,7 @@ MUTATIONS = [
         (
             (
                 "trainer/ckpt/tiers.py",
-                "restored, problem = self._restore(self.durable, step, abstract_state)",
+                "restored, verdict = self._restore(self.durable, step, abstract_state)",
                 "restored, _ = self._restore(self.durable, step, abstract_state)",
             ),
         ),
@@ -1301,7 +1301,7 @@ MUTATIONS = [
     M(
         "disk_full_never_injected",
         "the disk_full fault is recorded but the save it names goes through",
-        (("trainer/train/loop.py", "        w.ckpt.durable.inject = OSError(", "        _ = OSError("),),
+        (("trainer/faults/injector.py", "            storage.fail_next_save(OSError(", "            _ = (OSError("),),
         ("tests/test_drill.py::test_a_disk_full_fault_fails_its_save_and_the_run_restarts_when_there_is_room",),
         catch="assert len(failures) == 1",
     ),

@@ -128,3 +128,24 @@ def test_a_checkpoint_that_verifies_but_does_not_load_is_rejected_and_the_previo
     assert rejected == [(12, LOCAL, "unreadable"), (10, DURABLE, "unreadable")], log
     assert [p.name.split("-")[0] for p in (run / checkpoint_files.REJECTED).iterdir()] == ["10"]
     assert [p.name.split("-")[1] for p in (local12.parents[1] / checkpoint_files.LOCAL_REJECTED).iterdir()] == ["12"]
+
+
+def test_a_local_step_is_a_candidate_only_when_every_process_has_a_copy_somewhere():
+    """The pure choice over the views the processes gather (holdings.candidates): each process's own copy
+    first, else a copy another process holds for it; a step missing one process's shards is no candidate.
+    The views cross as JSON and come back equal."""
+    import json
+
+    from trainer.ckpt.holdings import Candidate, Copy, Holdings, Source, candidates
+    from trainer.store.ckpt_files import BUDDY, STATE
+
+    own0, held1 = Copy(12, 0, "process_0", STATE), Copy(12, 1, "process_0", BUDDY)
+    own1, partial = Copy(12, 1, "process_1", STATE), Copy(16, 0, "process_0", STATE)
+    views = [Holdings((10, 20), (own0, held1, partial), "a"), Holdings((10,), (own1,), "b")]
+    assert [Holdings.from_json(json.loads(json.dumps(v.to_json()))) for v in views] == views
+    found = {(c.step, c.tier): c for c in candidates(views)}
+    assert sorted(found) == [(10, DURABLE), (12, LOCAL)]  # 20: not on every process; 16: no copy of process 1
+    assert found[12, LOCAL] == Candidate(12, LOCAL, {0: Source(own0, 0, "a"), 1: Source(own1, 1, "b")})
+    lost = [views[0], Holdings((10,), (), "c")]  # process 1's node lost with its copy: process 0 serves it
+    served = {0: Source(own0, 0, "a"), 1: Source(held1, 0, "a")}
+    assert [c.plan for c in candidates(lost) if c.tier == LOCAL] == [served]

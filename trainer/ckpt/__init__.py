@@ -11,8 +11,10 @@ A restore (at start-up and after every restart):
   tiers.py         saved_meta: the newest step's metadata (ckpt_files.Meta), read once, before anything is written,
                    to check the resume against; then the newest step the group can assemble and verify across
                    both tiers: each process checks its share against the manifests, the verdicts are gathered
-                   (checkpoint.agreed), a bad checkpoint is moved aside by all and the one before it tried; a
-                   lost node's shards come from its buddy's copy
+                   (checkpoint.agreed: one Verdict for all), a bad checkpoint is moved aside by all and the one
+                   before it tried; a lost node's shards come from its buddy's copy
+  holdings.py      what each process can restore from (its node's local copies, the durable steps), gathered, and
+                   the steps the group can assemble from them (for a local one: whose copy serves each process)
   weights.py       the params alone, for `export`, `sample` and `train.init_from` (trainer.observe.pick
                    chooses which checkpoint, jax-free)
 Read without jax (the supervisor, `status`, `checkpoints --verify`, the runbook), in trainer.store, the floor:

@@ -117,8 +117,8 @@ def move(tree: Any, stand_in: dict[int, int], abstract: Any) -> Any:
     `abstract`'s shardings whose shards on each target are its own; elsewhere the values are meaningless.
 
     Each device's shards, all leaves together, travel as the bytes of one row of a uint8 array sharded over
-    every device: one compiled transfer per round whatever the number of leaves (one per leaf cost ~40 ms of
-    compiling each), and no replication for the transfer to optimise away (a device_put of the replicated
+    every device: one compiled transfer per round whatever the number of leaves (a transfer per leaf would
+    compile one each), and no replication for the transfer to optimise away (a device_put of the replicated
     layout itself would be free to keep each device's own replica: jax assumes replicas are equal, and the
     processes with nothing to give hold no valid replica). Costs a host copy of the shards on both ends."""
     leaves, treedef = jax.tree.flatten(abstract)

@@ -48,6 +48,23 @@ class Restored:
     sources: dict | None = None  # a local restore: for each process, which process (node) gave its shards
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """The group's verdict on a checkpoint (`agreed`): sound, or the first problem any process found (its file
+    and reason) and which process found it, so that the one holding a bad local copy moves it aside."""
+
+    problem: manifest.Problem | None = None
+    process: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+    def fields(self) -> dict:
+        """What the checkpoint_rejected event says of the problem."""
+        return {"file": self.problem.file, "reason": self.problem.reason, "process": self.process}
+
+
 def _preservation(keep: int, keep_every: int, pinned: Callable[[list[int]], set[int]]):
     policies: list = [cm.LatestN(keep), _Pinned(pinned)]
     if keep_every:
@@ -97,10 +114,8 @@ def _single_process_writes() -> None:
     """One process: durable saves write each replicated array from its first replica, as Orbax itself does on
     GPU (jax_array_handlers._get_default_use_replica_parallel: off when JAX_PLATFORMS names gpu or cuda).
     Replica-parallel writes spread a replicated array's bytes over the processes holding it; within one
-    process there is nothing to spread, and on CPU (where Orbax leaves it on) the split only added a
-    compiled slice per array shape to the process's first save: ~1 s of every restart, measured. Several
-    processes keep Orbax's default (on CPU, so in the multi-process tests, each writes its slice of the
-    replicated arrays; on GPU the first replica writes them)."""
+    process there is nothing to spread, and on CPU (where Orbax leaves it on) the split only adds a compiled
+    slice per array shape to every restart's first save. Several processes keep Orbax's default."""
     ocp.type_handlers.register_type_handler(
         jax.Array,
         ocp.type_handlers.ArrayHandler(use_replica_parallel=False, array_metadata_store=_array_metadata_store()),
@@ -154,7 +169,7 @@ class Checkpointer:
         # Manifest identity: a local checkpoint is one process's own; a durable one is shared by all.
         self.writer, self.writers = (0, 1) if local else (jax.process_index(), jax.process_count())
         self.failure: str | None = None  # set when a save could not be written
-        self.inject: OSError | None = None  # the disk_full fault: the next save fails with it, as a full disk does
+        self._fail_next: OSError | None = None  # a fault's error for the next save (fail_next_save)
         self._sealer: threading.Thread | None = None
         self._pinned = pinned
         extra: dict = {}
@@ -200,6 +215,11 @@ class Checkpointer:
     def step_dir(self, step: int) -> Path:
         return self.directory / str(step)
 
+    def fail_next_save(self, error: OSError) -> None:
+        """The next save raises `error` where Orbax's write would (the disk_full fault): it fails as a full disk
+        fails it, through the same description and `failure`."""
+        self._fail_next = error
+
     def save(self, step: int, state: Any, data_state: dict, meta: dict, *, held: Any = None) -> float:
         """Start a save; returns the seconds it blocked the caller (the device-to-host copy). `held`: another
         process's shards this process keeps a copy of (local tier; trainer.ckpt.buddy)."""
@@ -208,7 +228,7 @@ class Checkpointer:
             raise SaveFailed(self.failure)
         # The state is the output of the step still in flight. Orbax's copy would wait for it inside the
         # timed call, and the blocking figure (events, TensorBoard, goodput's checkpoint share, the "auto"
-        # interval) would charge the step's own compute to the save: 0.4-0.6 s of a 0.5 s step on CPU.
+        # interval) would charge the step's own compute to the save.
         jax.block_until_ready(state)
         t0 = time.perf_counter()
         extra = {}
@@ -220,8 +240,9 @@ class Checkpointer:
         else:
             state_arg = ocp.args.StandardSave(state)
         try:
-            if self.inject is not None:
-                raise self.inject
+            if self._fail_next is not None:
+                error, self._fail_next = self._fail_next, None
+                raise error
             self.manager.save(
                 step,
                 force=True,
@@ -355,19 +376,19 @@ class Checkpointer:
             self.failure = self.failure or self._describe(None, e)
 
 
-def agreed(check: Callable[[], manifest.Problem | None]) -> dict | None:
-    """Run a check of a checkpoint on every process (each its share); the first problem any process found, as
-    {file, reason, process}, or None: the same verdict on all. A check that itself failed is a verdict
-    against the checkpoint (every process still reaches the gather: none is left waiting in it)."""
+def agreed(check: Callable[[], manifest.Problem | None]) -> Verdict:
+    """Run a check of a checkpoint on every process (each its share): the same verdict on all. A check that
+    itself failed is a verdict against the checkpoint (every process still reaches the gather: none is left
+    waiting in it). Each process's problem crosses as {file, reason} or null, converted here only."""
     try:
         p = check()
         mine = None if p is None else {"file": p.file, "reason": p.reason}
     except Exception as e:
         mine = {"file": "", "reason": f"check failed: {e!r}"[:300]}
-    for i, verdict in enumerate(allgather_json(mine)):
-        if verdict is not None:
-            return dict(verdict, process=i)
-    return None
+    for i, theirs in enumerate(allgather_json(mine)):
+        if theirs is not None:
+            return Verdict(manifest.Problem(theirs["file"], theirs["reason"]), i)
+    return Verdict()
 
 
 @dataclass

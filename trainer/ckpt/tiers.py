@@ -20,8 +20,9 @@ from typing import Any
 
 import jax
 
-from trainer.ckpt import buddy
-from trainer.ckpt.checkpoint import Checkpointer, Restored, SaveFailed, agreed
+from trainer.ckpt import buddy, holdings
+from trainer.ckpt.checkpoint import Checkpointer, Restored, SaveFailed, Verdict, agreed
+from trainer.ckpt.holdings import Candidate, Copy, Holdings, Source
 from trainer.config import CheckpointConfig
 from trainer.parallel.distributed import allgather_json
 from trainer.store import bucket, manifest
@@ -151,6 +152,11 @@ class Tiers:
                 shutil.rmtree(folder, ignore_errors=True)
                 self._readers.pop(folder.name, None)
 
+    def fail_next_save(self, error: OSError) -> None:
+        """The disk_full fault (trainer.faults.injector): the next durable save fails with `error`, as the file
+        system would fail it."""
+        self.durable.fail_next_save(error)
+
     def failure(self) -> str | None:
         """Why a durable save could not be written, or None (asked every step). A local one never ends the
         run: `drop_failed_local`."""
@@ -184,32 +190,31 @@ class Tiers:
 
     def _restore_newest(self, abstract_state: Any, layout: dict) -> Restored | None:
         while (cand := self._newest(layout)) is not None:
-            step, tier, plan = cand
+            step, tier = cand.step, cand.tier
             if tier == LOCAL:
-                restored, problem = self._restore_local(step, plan, abstract_state)
+                restored, verdict = self._restore_local(step, cand.plan, abstract_state)
             else:
                 self._fetch(step)
                 check = lambda step=step: self.durable.verify(step) if self.cfg.verify else None  # noqa: E731
-                problem = agreed(check)
+                verdict = agreed(check)
                 restored = None
-                if problem is None:
-                    restored, problem = self._restore(self.durable, step, abstract_state)
-            if problem is None:
+                if verdict.ok:
+                    restored, verdict = self._restore(self.durable, step, abstract_state)
+            if verdict.ok:
                 return restored
-            self.log(CHECKPOINT_REJECTED, step=step, tier=tier, **problem)
-            self._move_aside(tier, step, problem)
+            self.log(CHECKPOINT_REJECTED, step=step, tier=tier, **verdict.fields())
+            self._move_aside(tier, step, verdict)
         return None
 
     def _settle_staging(self) -> None:
         """With a bucket, before anything is restored or saved: each staged step the bucket does not hold sealed
         is settled. One sealed on disk (every process's manifest there) had its upload cut short (a process lost
         mid-upload, its node with it): it is uploaded again, every process its share of the manifests, rather
-        than dropped for the older step before it (the node-loss test under load lost durable 10 that way, and
-        its requeued job started from step 0). One sealed nowhere (a process died between Orbax's commit and its
-        checksums) goes: the bucket is the record, and Orbax would refuse to save that step again. A bucket that
-        does not answer is a storage failure, as for a download. (A step deleted from the bucket while its
-        staged copy stayed sealed is uploaded again: the runbook's rewind and a rejection move the staged copy
-        aside first.) One listing of the bucket, by process 0, decides for all."""
+        than dropped for the older step before it. One sealed nowhere (a process died between Orbax's commit
+        and its checksums) goes: the bucket is the record, and Orbax would refuse to save that step again. A
+        bucket that does not answer is a storage failure, as for a download. (A step deleted from the bucket
+        while its staged copy stayed sealed is uploaded again: the runbook's rewind and a rejection move the
+        staged copy aside first.) One listing of the bucket, by process 0, decides for all."""
         if self.durable.bucket is None:
             return
         plan: dict[str, list[int]] = {"upload": [], "drop": []}
@@ -228,10 +233,10 @@ class Tiers:
                     self.durable.bucket.upload(step_dir, m)
 
             failed = agreed(lambda upload=upload: _unreadable(upload))
-            if failed is not None:
+            if not failed.ok:
                 self.durable.failure = (
                     f"the staged checkpoint of step {step} could not be uploaded to {self.durable.bucket.loc}: "
-                    f"{failed['reason']}. Nothing was deleted; fix the storage, then rerun the same command."
+                    f"{failed.problem.reason}. Nothing was deleted; fix the storage, then rerun the same command."
                 )
                 raise SaveFailed(self.durable.failure)
             self.log(CHECKPOINT_RESEALED, step=step, tier=DURABLE)
@@ -251,37 +256,27 @@ class Tiers:
         if self.durable.bucket is None:
             return
         failed = agreed(lambda: _unreadable(lambda: self.durable.fetch(step)))
-        if failed is not None:
+        if not failed.ok:
             self.durable.failure = (
                 f"the durable checkpoint of step {step} could not be read from {self.durable.bucket.loc}: "
-                f"{failed['reason']}. Nothing was deleted; fix the storage, then rerun the same command to resume."
+                f"{failed.problem.reason}. Nothing was deleted; fix the storage, then rerun the same command to "
+                "resume."
             )
             raise SaveFailed(self.durable.failure)
         self.durable.reload()
 
-    def _newest(self, layout: dict) -> tuple[int, str, dict] | None:
-        """(step, tier, plan): plan[target process] = where its shards come from, for a local step."""
-        views = allgather_json({DURABLE: self.durable.steps(), LOCAL: self._holdings(layout), "node": self.node})
-        durable = set.intersection(*(set(v[DURABLE]) for v in views))
-        cands = [(s, DURABLE, {}) for s in durable]
-        for step in {h["step"] for v in views for h in v[LOCAL]}:
-            plan = {}
-            for t in range(len(views)):
-                claims = [(p, h) for p, v in enumerate(views) for h in v[LOCAL] if (h["step"], h["of"]) == (step, t)]
-                if not claims:
-                    break
-                # Its own process first (no transfer), then its own copy over a held one, then the lowest index.
-                p, h = min(claims, key=lambda c: (c[0] != t, c[1]["item"] != STATE, c[0]))
-                plan[t] = dict(h, holder=p, node=views[p]["node"])
-            else:
-                cands.append((step, LOCAL, plan))
-        return max(cands, key=lambda c: (c[0], c[1] == LOCAL), default=None)
+    def _newest(self, layout: dict) -> Candidate | None:
+        """The newest step the group can assemble (at one step the local copy first), from every process's
+        holdings, gathered."""
+        mine = Holdings(tuple(self.durable.steps()), tuple(self._holdings(layout)), self.node)
+        views = [Holdings.from_json(v) for v in allgather_json(mine.to_json())]
+        return max(holdings.candidates(views), key=lambda c: (c.step, c.tier == LOCAL), default=None)
 
-    def _holdings(self, layout: dict) -> list[dict]:
-        """The local copies on this node this process could restore from: each {step, of (the process whose
-        shards they are), folder, item}. Only the same mesh and process count (a local copy holds one
-        process's shards) and not from a history the runbook rewound away from. A copy whose metadata does
-        not read stays a candidate under its folder's process: verification rejects it with an event."""
+    def _holdings(self, layout: dict) -> list[Copy]:
+        """The local copies on this node this process could restore from. Only the same mesh and process count
+        (a local copy holds one process's shards) and not from a history the runbook rewound away from. A copy
+        whose metadata does not read stays a candidate under its folder's process: verification rejects it
+        with an event."""
         if not self.cfg.local_dir:
             return []
         out = []
@@ -292,15 +287,14 @@ class Tiers:
                 try:
                     meta = self._meta(reader.step_dir(step))
                 except Exception:
-                    out.append(dict(step=step, of=owner, folder=folder.name, item=STATE))
+                    out.append(Copy(step, owner, folder.name, STATE))
                     continue
                 stale = any(to < step for to in self.rewinds[meta.lineage :])
-                saved = meta.record
-                if stale or saved.get("processes") != layout["processes"] or saved.get("mesh") != layout["mesh"]:
+                if stale or meta.processes != layout["processes"] or meta.mesh != layout["mesh"]:
                     continue
-                out.append(dict(step=step, of=owner, folder=folder.name, item=STATE))
+                out.append(Copy(step, owner, folder.name, STATE))
                 if meta.holds is not None and (reader.step_dir(step) / BUDDY).is_dir():
-                    out.append(dict(step=step, of=meta.holds, folder=folder.name, item=BUDDY))
+                    out.append(Copy(step, meta.holds, folder.name, BUDDY))
         return out
 
     def _meta(self, step_dir: Path) -> Meta:
@@ -316,31 +310,31 @@ class Tiers:
             self._readers[folder] = Checkpointer(root / folder, self.cfg, tier=LOCAL, read_only=True)
         return self._readers[folder]
 
-    def _restore_local(self, step: int, plan: dict, abstract: Any) -> tuple[Restored | None, dict | None]:
+    def _restore_local(self, step: int, plan: dict[int, Source], abstract: Any) -> tuple[Restored | None, Verdict]:
         """Every process reads what the plan gives it (its own shards, or another's onto its devices standing
         in for that process), the group agrees that every read worked, then the shards of processes that had
         none move to them over a collective permute (trainer.ckpt.buddy)."""
         me, n = jax.process_index(), len(plan)
-        mine = {e["folder"] for e in plan.values() if e["holder"] == me}
+        mine = {e.copy.folder for e in plan.values() if e.holder == me}
         # Each copy is verified by the process that will read it (a problem's file starts with its folder).
-        problem = agreed(lambda: self._verify_local(step, sorted(mine)))
-        if problem is not None:
-            return None, problem
+        verdict = agreed(lambda: self._verify_local(step, sorted(mine)))
+        if not verdict.ok:
+            return None, verdict
         # (targets' holders, the permutation that puts each holder in its target's place), round by round
-        transfers = [(b, buddy.complete(b, n)) for b in buddy.rounds({t: e["holder"] for t, e in plan.items()})]
+        transfers = [(b, buddy.complete(b, n)) for b in buddy.rounds({t: e.holder for t, e in plan.items()})]
         got: dict[str, Any] = {}
 
         def read(target: int, stand_in: dict[int, int] | None) -> Any:
-            e = plan[target]
+            e = plan[target].copy
             like = abstract if stand_in is None else buddy.abstract_as(abstract, stand_in)
-            got["reading"] = e["folder"]
-            reader = self._reader(e["folder"])
-            r = reader.restore(step, like, item=e["item"], meta=lambda: self._meta(reader.step_dir(step)))
+            got["reading"] = e.folder
+            reader = self._reader(e.folder)
+            r = reader.restore(step, like, item=e.item, meta=lambda: self._meta(reader.step_dir(step)))
             got.setdefault("json", (r.data_state, str(r.meta.step_dir), r.meta.record))
             return r.state
 
         def load() -> None:
-            if plan[me]["holder"] == me:
+            if plan[me].holder == me:
                 got["own"] = read(me, None)
             for i, (batch, stand_in) in enumerate(transfers):
                 give = next((t for t, h in batch.items() if h == me), None)
@@ -351,16 +345,16 @@ class Tiers:
             p = _unreadable(load)
             return p and manifest.Problem(f"{got.get('reading', '')}/", p.reason)
 
-        problem = agreed(check)
-        if problem is not None:
-            return None, problem
+        verdict = agreed(check)
+        if not verdict.ok:
+            return None, verdict
         for i, (batch, stand_in) in enumerate(transfers):
             moved = buddy.move(got.pop(f"give{i}", None), stand_in, abstract)
             if me in batch:
                 got["own"] = moved
         data_state, where, saved = next(j for j in allgather_json(got.get("json")) if j is not None)
-        sources = {str(t): {"process": e["holder"], "node": e["node"], "copy": e["item"]} for t, e in plan.items()}
-        return Restored(step, got["own"], data_state, Meta(Path(where), saved), LOCAL, sources=sources), None
+        sources = {str(t): {"process": e.holder, "node": e.node, "copy": e.copy.item} for t, e in plan.items()}
+        return Restored(step, got["own"], data_state, Meta(Path(where), saved), LOCAL, sources=sources), verdict
 
     def _verify_local(self, step: int, folders: list[str]) -> manifest.Problem | None:
         if not self.cfg.verify:
@@ -370,20 +364,20 @@ class Tiers:
                 return manifest.Problem(f"{folder}/{p.file}", p.reason)
         return None
 
-    def _restore(self, ck: Checkpointer, step: int, abstract_state: Any) -> tuple[Restored | None, dict | None]:
+    def _restore(self, ck: Checkpointer, step: int, abstract_state: Any) -> tuple[Restored | None, Verdict]:
         restored: list[Restored] = []
         meta = lambda: self._meta(ck.step_dir(step))
-        problem = agreed(lambda: _unreadable(lambda: restored.append(ck.restore(step, abstract_state, meta=meta))))
-        return (restored[0] if problem is None else None), problem
+        verdict = agreed(lambda: _unreadable(lambda: restored.append(ck.restore(step, abstract_state, meta=meta))))
+        return (restored[0] if verdict.ok else None), verdict
 
-    def _move_aside(self, tier: str, step: int, problem: dict) -> None:
+    def _move_aside(self, tier: str, step: int, verdict: Verdict) -> None:
         """Durable: process 0 moves the shared directory; local: the process that found the problem moves the
         copy it read (the other copies of the step may still serve). Then everyone waits for everyone and
         re-reads its listing."""
         stamp = int(time.time())
         if tier == LOCAL:
-            if problem["process"] == jax.process_index():
-                reader = self._reader(problem["file"].split("/", 1)[0])
+            if verdict.process == jax.process_index():
+                reader = self._reader(verdict.problem.file.split("/", 1)[0])
                 reader.move_aside(step, checkpoint_files.local_rejected_path(reader.directory, step, stamp))
         elif jax.process_index() == 0:
             aside = checkpoint_files.rejected_path(self.run_dir, step, stamp, self.cfg.durable_dir)

@@ -125,8 +125,7 @@ def on_cpu(picked: pick.Picked) -> Loaded:
 
 def _agree(check) -> manifest.Problem | None:
     """Each process verifies its share of the checkpoint's files; the first problem any of them found."""
-    verdict = agreed(check)
-    return None if verdict is None else manifest.Problem(verdict["file"], verdict["reason"])
+    return agreed(check).problem
 
 
 def init_source(cfg: Config) -> dict | None:

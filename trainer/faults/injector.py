@@ -9,6 +9,7 @@ them. The kinds and phases a config may name are declared with the config's faul
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
+from typing import Protocol
 
 from trainer.config import Fault
 from trainer.faults import corrupt, lose_node
@@ -28,6 +30,12 @@ class InjectedStartupError(RuntimeError):
 
 
 CRASH_EXIT = 13
+
+
+class Storage(Protocol):
+    """What the disk_full fault fills: the worker's checkpoint tiers (trainer.ckpt.tiers.Tiers)."""
+
+    def fail_next_save(self, error: OSError) -> None: ...
 
 
 class FaultInjector:
@@ -180,13 +188,12 @@ class FaultInjector:
                 return float("nan") if f.kind == "nan" else base * f.scale
         return base
 
-    def disk_full(self, step: int) -> bool:
-        """Whether this durable save, the first at or after the fault's step, finds the disk full (the
-        checkpointer then fails it as the filesystem would: trainer.ckpt.checkpoint.Checkpointer.inject)."""
-        f = self._pending("disk_full", step, open_ended=True)
-        if f is not None:
+    def disk_full(self, step: int, storage: Storage) -> None:
+        """Called before the durable save of `step`: the first at or after the disk_full fault's step finds the
+        disk full (`storage` fails that save with ENOSPC, as the file system would)."""
+        if f := self._pending("disk_full", step, open_ended=True):
             self._record(f, step)
-        return f is not None
+            storage.fail_next_save(OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected: disk_full fault)"))
 
     def bitflip(self, step: int) -> bool:
         """Whether to flip one bit in one replica's params before the update at `step` (silent data corruption:

@@ -213,7 +213,7 @@ class Bucket:
     def delete(self, step: int) -> None:
         """A step's objects, its manifests first: a deletion cut short leaves an unsealed step, never a
         sealed one with files missing. Key by key (a write of None), not TensorStore's delete_range: that
-        trusts the server to honour the range, and a GCS emulator that ignored it deleted the whole bucket."""
+        trusts the server to honour the range, and a server that ignores it loses every step at once."""
         for prefix in (f"{step}/{_MANIFESTS}", f"{step}/"):
             for f in [self.kv.write(k, None) for k in self._list(prefix)]:
                 f.result()

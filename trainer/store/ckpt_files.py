@@ -55,8 +55,8 @@ def durable_url(run_dir: str | Path, configured: str | None = None) -> str | Non
 
 def saved_durable_dir(run_dir: str | Path) -> str:
     """checkpoint.durable_dir as RUN_DIR/config.yaml records it ("" when unset, or no run yet). Read at each
-    call (a few ms; callers ask a few times a command, or once a poll while the supervisor waits for disk
-    room). observe.runview.saved_config reads the same file for the observers; this module sits below them."""
+    call: it is small, and callers ask a few times a command or once a poll. observe.runview.saved_config
+    reads the same file for the observers; this module sits below them."""
     path = Path(run_dir) / rundir.CONFIG
     if not path.is_file():  # no run yet, or RUN_DIR is not a directory (refused later, with its own line)
         return ""
@@ -123,7 +123,8 @@ def is_step_dir(path: str | Path) -> bool:
 class Meta:
     """A step's metadata item, read once per restore (`read_meta`) and passed on: what the loop saved beside
     the state (config, data fingerprint, mesh, processes, versions, runtime, init_from; trainer.train.loop)
-    and what the tiers add (lineage; in a local step also holds, node, process)."""
+    and what the tiers add (lineage; in a local step also holds, node, process). Readers use the properties;
+    `record` stays the item as saved, for those that check it whole (the resume checks, export)."""
 
     step_dir: Path  # where it was read (a local restore: the copy one process read for all)
     record: dict  # the item as saved
@@ -131,6 +132,21 @@ class Meta:
     @property
     def step(self) -> int:
         return int(self.step_dir.name)
+
+    @property
+    def processes(self) -> int | None:
+        """How many processes saved it (None: not recorded, so no layout matches it)."""
+        return self.record.get("processes")
+
+    @property
+    def mesh(self) -> dict[str, int] | None:
+        """The mesh it was saved under, axis name -> size (None: not recorded, so no layout matches it)."""
+        return self.record.get("mesh")
+
+    @property
+    def init_from(self) -> dict | None:
+        """Where the run's params started (train.init_from's checkpoint), kept through resumes; None: fresh."""
+        return self.record.get("init_from")
 
     @property
     def lineage(self) -> int:

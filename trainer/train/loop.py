@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import errno
 import faulthandler
 import os
 import signal
@@ -343,8 +342,8 @@ def _meta(w: Worker) -> dict:
 def _save(w: Worker, st, step: int, reason: str, tier: str) -> float | None:
     """Start a save into one tier: its blocking seconds, or None when a durable save could not be written."""
     _enter(w, "checkpoint", step)
-    if tier == DURABLE and w.faults.disk_full(step):
-        w.ckpt.durable.inject = OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected: disk_full fault)")
+    if tier == DURABLE:
+        w.faults.disk_full(step, w.ckpt)
     try:
         blocking = w.ckpt.save(step, st, {"next_index": step}, _meta(w), tier=tier)
     except checkpoint.SaveFailed:

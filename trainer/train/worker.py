@@ -255,7 +255,7 @@ def setup(cfg: Config) -> Worker:
     check_durable_dir(run_dir, cfg.checkpoint.durable_dir)
     saved = tiers.saved_meta(run_dir, cfg.checkpoint)  # read once: the restore of that step uses it too
     changes = check_resume(saved.record, cfg, corpus.fingerprint) if saved else []
-    init_from = saved.record.get("init_from") if saved else weights.init_source(cfg)  # a resume never re-applies it
+    init_from = saved.init_from if saved else weights.init_source(cfg)  # a resume never re-applies it
 
     primary = jax.process_index() == 0
     if primary and mesh_lib.kv_replicated(cfg.model, shape[2]):
