@@ -70,7 +70,7 @@ def _parts(work: Path) -> dict:
 
     import numpy as np
 
-    from trainer.config import load_config
+    from trainer.config import Phase, load_config
     from trainer.drill.run import POLL_S
     from trainer.observe.audit import AuditLog
     from trainer.observe.heartbeat import Heartbeat, heartbeat_path
@@ -80,7 +80,7 @@ def _parts(work: Path) -> dict:
     log = AuditLog(work / "parts", process=0, processes=1, start=0, global_batch=rows, epoch_windows=10**6, skips=[])
     batch = {"ids": np.arange(rows) * 7919, "windows": np.arange(rows) * 104729}
     hb = Heartbeat(work / "parts", 0)
-    hb.beat("step", 1)
+    hb.beat(Phase.STEP, 1)
     return {
         "audit_record_us": harness.per_call(lambda: log.record(1, batch), 2000) * 1e6,
         "heartbeat_poll_us": harness.per_call(lambda: read_heartbeat(heartbeat_path(work / "parts", 0)), 2000) * 1e6,

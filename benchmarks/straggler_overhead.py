@@ -77,16 +77,16 @@ def _parts(work: Path) -> dict:
     (the per-step cost: the counters themselves are a few additions), and one host health sample (every
     log.health_every_s, in its own thread)."""
 
-    from trainer.config import LogConfig
+    from trainer.config import LogConfig, Phase
     from trainer.observe import health
     from trainer.observe.heartbeat import Heartbeat
     from trainer.train.step_log import MARKS
 
     hb = Heartbeat(work / "parts", 0)
-    plain = harness.per_call(lambda: hb.beat("step", 1), 2000)
+    plain = harness.per_call(lambda: hb.beat(Phase.STEP, 1), 2000)
     mark = dict(n=1000, step_s=123.4, wait_s=100.1, data_s=2.3, dispatch_s=0.0, sync=1000)
     hb.timing = [dict(mark, n=mark["n"] + 20 * k) for k in range(MARKS)]  # as many window marks as it ever carries
-    timed = harness.per_call(lambda: hb.beat("step", 1), 2000)
+    timed = harness.per_call(lambda: hb.beat(Phase.STEP, 1), 2000)
     collector = health.HealthCollector(every_s=LogConfig.health_every_s, sources=[health.HostSource()])
     sample = harness.per_call(collector.sample, 200)
     return {

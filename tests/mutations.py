@@ -97,14 +97,26 @@ MUTATIONS = [
     M(
         "restore_timeout_is_step_timeout",
         "a hung restore is judged by the step timeout",
-        (("trainer/observe/heartbeat.py", '"restore": sc.restore_timeout_s', '"restore": sc.step_timeout_s'),),
+        (
+            (
+                "trainer/config/supervision.py",
+                'RESTORE = "restore", "restore_timeout_s"',
+                'RESTORE = "restore", "step_timeout_s"',
+            ),
+        ),
         ("tests/test_supervisor.py::test_hangs_in_every_phase_are_detected_by_their_own_timeout_dumped_and_recovered",),
         catch='[(h["phase"], h["step"], h["timeout_s"]) for h in hangs] ==',
     ),
     M(
         "startup_timeout_is_step_timeout",
         "a worker hung while starting is judged by the step timeout",
-        (("trainer/observe/heartbeat.py", '"startup": sc.startup_timeout_s,', '"startup": sc.step_timeout_s,'),),
+        (
+            (
+                "trainer/config/supervision.py",
+                'STARTUP = "startup", "startup_timeout_s"',
+                'STARTUP = "startup", "step_timeout_s"',
+            ),
+        ),
         ("tests/test_supervisor.py::test_hangs_in_every_phase_are_detected_by_their_own_timeout_dumped_and_recovered",),
         catch='[(h["phase"], h["step"], h["timeout_s"]) for h in hangs] ==',
     ),
@@ -113,9 +125,9 @@ MUTATIONS = [
         "a hung checkpoint write is judged by the step timeout",
         (
             (
-                "trainer/observe/heartbeat.py",
-                '"checkpoint": sc.checkpoint_timeout_s,',
-                '"checkpoint": sc.step_timeout_s,',
+                "trainer/config/supervision.py",
+                'CHECKPOINT = "checkpoint", "checkpoint_timeout_s"',
+                'CHECKPOINT = "checkpoint", "step_timeout_s"',
             ),
         ),
         ("tests/test_supervisor.py::test_hangs_in_every_phase_are_detected_by_their_own_timeout_dumped_and_recovered",),
@@ -124,7 +136,13 @@ MUTATIONS = [
     M(
         "compile_timeout_is_step_timeout",
         "a hung compile is judged by the step timeout",
-        (("trainer/observe/heartbeat.py", '"compile": sc.startup_timeout_s', '"compile": sc.step_timeout_s'),),
+        (
+            (
+                "trainer/config/supervision.py",
+                'COMPILE = "compile", "startup_timeout_s"',
+                'COMPILE = "compile", "step_timeout_s"',
+            ),
+        ),
         ("tests/test_supervisor.py::test_hangs_in_every_phase_are_detected_by_their_own_timeout_dumped_and_recovered",),
         catch='[(h["phase"], h["step"], h["timeout_s"]) for h in hangs] ==',
     ),
@@ -154,8 +172,8 @@ MUTATIONS = [
         (
             (
                 "trainer/supervise/hang.py",
-                "phase, since, step, process = min(beats,",
-                "phase, since, step, process = max(beats,",
+                "least = min(beats,",
+                "least = max(beats,",
             ),
         ),
         ("tests/test_multihost.py::test_a_peer_waiting_for_a_slow_save_is_not_a_hang",),
@@ -1165,8 +1183,8 @@ MUTATIONS = [
         (
             (
                 "trainer/train/loop.py",
-                '_enter(w, "restore", _newest_durable(w))',
-                '_enter(w, "restore", 0)',
+                "_enter(w, Phase.RESTORE, _newest_durable(w))",
+                "_enter(w, Phase.RESTORE, 0)",
             ),
         ),
         ("tests/test_drill.py::test_startup_and_restore_hangs_wait_for_a_restart_from_their_step",),
@@ -1175,7 +1193,7 @@ MUTATIONS = [
     M(
         "startup_phase_at_step_0",
         "the start-up phase reports step 0 on every start: a startup-phase fault armed past 0 never fires",
-        (("trainer/train/loop.py", '_enter(w, "startup", _newest_durable(w))', '_enter(w, "startup", 0)'),),
+        (("trainer/train/loop.py", "_enter(w, Phase.STARTUP, _newest_durable(w))", "_enter(w, Phase.STARTUP, 0)"),),
         ("tests/test_drill.py::test_startup_and_restore_hangs_wait_for_a_restart_from_their_step",),
         catch='assert [(f["kind"], f["phase"]) for f in fired] == [',
     ),
@@ -1681,7 +1699,7 @@ MUTATIONS = [
         (
             (
                 "trainer/supervise/hang.py",
-                'if p is not None and not p.get("ending")}',
+                "if p is not None and not p.ending}",
                 "if p is not None}",
             ),
         ),

@@ -88,7 +88,9 @@ def test_each_section_checks_its_own_fields_and_each_vocabulary_has_one_owner():
         names = {f.name for f in dataclasses.fields(cls)}
         src = inspect.getsource(cls.check) if "check" in vars(cls) else ""
         assert set(re.findall(r"\{where\}\.(\w+)", src)) <= names, cls
-    assert heartbeat.PHASES is trainer.config.PHASES and set(trainer.config.FAULT_PHASES) < set(heartbeat.PHASES)
+    assert heartbeat.Phase is trainer.config.Phase and set(trainer.config.FAULT_PHASES) < set(heartbeat.Phase)
+    sc = trainer.config.SupervisorConfig()
+    assert all(isinstance(p.timeout(sc), float) for p in trainer.config.Phase)  # each names a real field
     assert tuple(corrupt.HOW) == trainer.config.CORRUPT_HOW
     assert all(corrupt.HOW[how].__name__ == how for how in corrupt.HOW)
 

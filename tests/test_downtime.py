@@ -11,15 +11,16 @@ import subprocess
 import sys
 import time
 
+from trainer.config import Phase
 from trainer.observe import downtime
-from trainer.observe.heartbeat import PULSE_FRESH_S, PULSE_S, PULSE_STALE_S
+from trainer.observe.heartbeat import PULSE_FRESH_S, PULSE_S, PULSE_STALE_S, Beat, Pulse
 from trainer.supervise import hang
 
 NOW = 1000.0
 
 
-def pulse(age: float, **more) -> dict:
-    return {"time": NOW - age, "pid": 1, "launch": "x", **more}
+def pulse(age: float, **more) -> Pulse:
+    return Pulse(NOW - age, 1, "x", **more)
 
 
 def test_a_frozen_process_is_named_only_while_a_peer_is_alive():
@@ -45,14 +46,14 @@ def test_a_hang_is_blamed_on_the_process_whose_pulse_stopped_else_the_one_furthe
     pulse stopped is blamed, even when its waiting peer's heartbeat is further behind; with every process
     pulsing (a stuck kernel), the one furthest behind."""
     now = time.time()
-    beats = [("step", now - 30, 40, 0), ("step", now - 20, 41, 1)]  # process 0's heartbeat is behind
-    hbs = [{"node": "n0"}, {"node": "n1"}]
-    slow_peer = {"time": now - (PULSE_FRESH_S + PULSE_STALE_S) / 2}  # alive, not fresh: no frozen verdict
-    stopped = {"time": now - PULSE_STALE_S - 5}
+    beats = [hang.Standing(0, Phase.STEP, now - 30, 40), hang.Standing(1, Phase.STEP, now - 20, 41)]  # 0 behind
+    hbs = [Beat(Phase.STEP, 40, now - 30, node="n0"), Beat(Phase.STEP, 41, now - 20, node="n1")]
+    slow_peer = Pulse(now - (PULSE_FRESH_S + PULSE_STALE_S) / 2)  # alive, not fresh: no frozen verdict
+    stopped = Pulse(now - PULSE_STALE_S - 5)
     assert hang.pulses([slow_peer, stopped], now).frozen is None
     i, node, why = hang.hung_on(beats, hbs, (slow_peer, stopped))
     assert (i, node) == (1, "n1") and "froze" in why, why
-    i, node, why = hang.hung_on(beats, hbs, ({"time": now}, {"time": now}))
+    i, node, why = hang.hung_on(beats, hbs, (Pulse(now), Pulse(now)))
     assert (i, node) == (0, "n0") and "furthest behind" in why, why
 
 

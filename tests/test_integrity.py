@@ -353,26 +353,27 @@ def test_a_local_save_that_fails_turns_the_local_tier_off_and_the_durable_tier_g
 HEARTBEAT_ON_A_FULL_DISK = """
 import json, sys, time
 from pathlib import Path
+from trainer.config import Phase
 from trainer.observe import heartbeat
 run, filler = Path(sys.argv[1]), Path(sys.argv[2])
 hb = heartbeat.Heartbeat(run, 0)
-hb.beat("step", 1)
+hb.beat(Phase.STEP, 1)
 with open(filler, "wb", buffering=0) as fh:  # fill the disk to its last page (a short write, then ENOSPC)
     try:
         while fh.write(bytes(1 << 20)):
             pass
     except OSError:
         pass
-hb.beat("step", 2)  # dropped: the last beat stays
+hb.beat(Phase.STEP, 2)  # dropped: the last beat stays
 time.sleep(heartbeat.PULSE_S * 1.5)  # the pulse thread meets the full disk too
-full = heartbeat.read(heartbeat.heartbeat_path(run, 0))["step"]
+full = heartbeat.read(heartbeat.heartbeat_path(run, 0)).step
 filler.unlink()
-hb.beat("step", 3)
+hb.beat(Phase.STEP, 3)
 t0 = time.time()
 while (heartbeat.read_json(heartbeat.pulse_path(run, 0)) or {}).get("time", 0) < t0 and time.time() < t0 + 10:
     time.sleep(0.05)
 pulse = heartbeat.read_json(heartbeat.pulse_path(run, 0))["time"] >= t0
-print(json.dumps([full, heartbeat.read(heartbeat.heartbeat_path(run, 0))["step"], pulse]))
+print(json.dumps([full, heartbeat.read(heartbeat.heartbeat_path(run, 0)).step, pulse]))
 """
 
 

@@ -14,15 +14,15 @@ from conftest import events, run_trainer, summary, tensorboard
 from corpora import code_jsonl
 from multihost import TWO, group_overrides, small_corpus
 
-from trainer.config import StragglerConfig
-from trainer.observe.heartbeat import heartbeat_path
+from trainer.config import Phase, StragglerConfig
+from trainer.observe.heartbeat import Beat, heartbeat_path
 from trainer.store import event_names as E
 from trainer.store.rundir import read_json
 from trainer.supervise.straggler import StragglerWatch
 
 
-def beats(marks: list[list[dict]], node: str = "n{}") -> list[dict]:
-    return [{"timing": m[-4:], "node": node.format(i)} for i, m in enumerate(marks)]
+def beats(marks: list[list[dict]], node: str = "n{}") -> list[Beat]:
+    return [Beat(Phase.STEP, 0, 0.0, node=node.format(i), timing=m[-4:]) for i, m in enumerate(marks)]
 
 
 class Group:
@@ -39,7 +39,7 @@ class Group:
         self.marks: list[list[dict]] = [[] for _ in range(n)]
         self.step = 0  # the training step (every step clean here)
 
-    def run(self, steps: int, own: list[float], *, data: list[float] | None = None) -> list[dict]:
+    def run(self, steps: int, own: list[float], *, data: list[float] | None = None) -> list[Beat]:
         step = (self.device + max(own) if self.sync else max(self.device, *own)) + 0.002
         for _ in range(steps):
             self.step += 1
@@ -131,7 +131,7 @@ def test_a_process_whose_steps_run_in_the_call_is_judged_by_its_own_time():
             assert out == []
 
 
-def measured(windows: list[list[tuple[float, float]]], window: int = 10) -> list[list[dict]]:
+def measured(windows: list[list[tuple[float, float]]], window: int = 10) -> list[list[Beat]]:
     """Heartbeats carrying each process's marks, cumulative, from per-window means (step s, wait s) as a real
     run's heartbeats gave them."""
     out, t = [], [dict(n=0, step_s=0.0, wait_s=0.0, data_s=0.0, dispatch_s=0.0, sync=0) for _ in windows[0]]
@@ -239,7 +239,8 @@ def test_missing_or_torn_timings_are_not_judged():
     w.observe(g.run(20, [0.01, 0.01]), "a")
     hbs = g.run(20, [0.01, 0.3])
     assert w.observe([hbs[0], None], "a") == []
-    assert w.observe([hbs[0], {"node": "x"}], "a") == []
+    assert w.observe([hbs[0], Beat(Phase.STEP, 40, 0.0, node="x")], "a") == []  # no timing
+    assert w.observe([hbs[0], Beat(Phase.STEP, 40, 0.0, timing={"n": 40})], "a") == []  # damaged
 
 
 # --- the real thing: 2 processes, each pinned to its own core as on its own host -----------------------------

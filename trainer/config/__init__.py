@@ -3,7 +3,8 @@
 - training.py: the sections the worker trains with (run, mesh, model, data, eval, optim, train, checkpoint, log,
   integrity);
 - supervision.py: those that keep the run alive (supervisor, launch, alerts, straggler, runbook, faults), and
-  the vocabularies a fault names (its kinds, the heartbeat's phases, the ways to corrupt a checkpoint);
+  the vocabularies a fault names (its kinds, the heartbeat's phases as Phase with each one's timeout, the ways
+  to corrupt a checkpoint);
 - here: the tree of sections, how it is read, and the rules across sections.
 
 Each section's rules live with it: ranges and choices on its fields' types (trainer.yamltree's Positive, Range,
@@ -22,10 +23,10 @@ from trainer.config.supervision import (
     CORRUPT_HOW,
     FAULT_KINDS,
     FAULT_PHASES,
-    PHASES,
     AlertsConfig,
     Fault,
     LaunchConfig,
+    Phase,
     RunbookConfig,
     StragglerConfig,
     SupervisorConfig,
@@ -51,7 +52,6 @@ __all__ = [
     "FAULT_KINDS",
     "FAULT_PHASES",
     "FROZEN_KEYS",
-    "PHASES",
     "AlertsConfig",
     "CheckpointConfig",
     "Config",
@@ -65,6 +65,7 @@ __all__ = [
     "MeshConfig",
     "ModelConfig",
     "OptimConfig",
+    "Phase",
     "RunConfig",
     "RunbookConfig",
     "StragglerConfig",

@@ -4,6 +4,7 @@ reports, the ways to corrupt a checkpoint. Each is declared here once, the lowes
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -13,9 +14,32 @@ from trainer.yamltree import ConfigError, NonNegative, OneOf, Positive, Range, S
 FAULT_KINDS = tuple(
     "crash hang crash_mid_save slow hog slow_save signal ecc nan spike bitflip startup node corrupt disk_full".split()
 )
-# The phases a worker's heartbeat names (trainer.observe.heartbeat); hang and slow faults fire in any but "done"
-PHASES = ("step", "startup", "restore", "compile", "checkpoint", "eval", "done")
-FAULT_PHASES = tuple(p for p in PHASES if p != "done")
+
+
+class Phase(enum.StrEnum):
+    """The phases a worker's heartbeat names (trainer.observe.heartbeat), each with the SupervisorConfig field
+    that bounds its silence. A StrEnum: each value is the very string the heartbeat file holds."""
+
+    STEP = "step", "step_timeout_s"
+    STARTUP = "startup", "startup_timeout_s"
+    RESTORE = "restore", "restore_timeout_s"
+    COMPILE = "compile", "startup_timeout_s"  # its compile is the end of the worker's start-up
+    CHECKPOINT = "checkpoint", "checkpoint_timeout_s"
+    EVAL = "eval", "eval_timeout_s"
+    DONE = "done", "checkpoint_timeout_s"  # the final save made durable, then the exit
+
+    def __new__(cls, value: str, timeout_field: str):
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.timeout_field = timeout_field
+        return member
+
+    def timeout(self, sc: SupervisorConfig) -> float:
+        """How long a worker may stay silent in this phase before it counts as hung."""
+        return getattr(sc, self.timeout_field)
+
+
+FAULT_PHASES = tuple(p for p in Phase if p is not Phase.DONE)  # hang and slow faults fire in any but done
 CORRUPT_HOW = ("flip", "truncate", "torn")  # faults[].how for corrupt: trainer.faults.corrupt's functions
 
 
@@ -27,7 +51,7 @@ class Fault(Section):
     # commit the durable save
     seconds: float = 0.0
     step_multiple: float = 0.0  # slow: sleep this many times the step time measured before it (not `seconds`)
-    phase: str = "step"  # hang, slow: the phase they fire in: step | startup | restore | compile | checkpoint | eval
+    phase: str = Phase.STEP.value  # hang, slow: the phase they fire in, one of FAULT_PHASES (any Phase but done)
     count: int = 1  # slow, hog: how many steps; ecc: simulated ECC errors added per step from `step` on
     signal: str = "SIGKILL"  # signal: which one the worker sends itself
     scale: float = 1000.0  # spike: multiply the LR by this for the one update at `step`
@@ -43,7 +67,7 @@ class Fault(Section):
             raise ConfigError(f"{where}.node is for slow and hog (a slow host), not {self.kind}: use process")
         if (self.kind == "corrupt") != bool(self.how) or (self.how and self.how not in CORRUPT_HOW):
             raise ConfigError(f"{where}.how is for corrupt only, one of {', '.join(CORRUPT_HOW)}, got {self.how!r}")
-        if self.phase not in FAULT_PHASES or (self.phase != "step" and self.kind not in ("hang", "slow")):
+        if self.phase not in FAULT_PHASES or (self.phase != Phase.STEP and self.kind not in ("hang", "slow")):
             raise ConfigError(
                 f"{where}.phase must be one of {', '.join(FAULT_PHASES)} (hang and slow only), "
                 f"got {self.phase!r} for {self.kind}"

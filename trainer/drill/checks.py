@@ -11,7 +11,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from trainer.config import Config
+from trainer.config import Config, Phase
 from trainer.drill.plan import AFTER_RESTART, KINDS, MIN_FAULTS, MIN_KINDS, RESTARTS, Planned
 from trainer.observe import audit
 from trainer.observe.alerts import Kind
@@ -80,13 +80,13 @@ def faults(plan: list[Planned], fired: list[dict], preempts: list[dict], evs: li
         dict(
             kind=with_fault[f["index"]].kind,
             step=f["step"],
-            phase=f.get("phase", "step"),
+            phase=f.get("phase", Phase.STEP),
             t=f["time"],
             hit=f.get("hit", ""),
         )
         for f in fired
     ]
-    rows += [dict(kind="preempt", step=p["step"], phase="step", t=p["time"], hit="") for p in preempts]
+    rows += [dict(kind="preempt", step=p["step"], phase=Phase.STEP, t=p["time"], hit="") for p in preempts]
     rows.sort(key=lambda r: r["t"])
     steps = [e for e in evs if e["event"] == STEP]
     for r in rows:

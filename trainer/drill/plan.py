@@ -11,7 +11,7 @@ import math
 import random
 from dataclasses import asdict, dataclass
 
-from trainer.config import CORRUPT_HOW, Config
+from trainer.config import CORRUPT_HOW, Config, Phase
 
 # kind: (what the trainer's fault list gets, in words). "preempt" is the drill's own: a SIGTERM to the
 # supervisor, as a scheduler sends it; every other kind is a `faults` entry the workers fire themselves.
@@ -49,14 +49,9 @@ MIN_FAULTS, MIN_KINDS = 8, 4
 # A plan drawn for --minutes that falls short of them is grown (more steps, the same mean time between
 # failures) up to this many times the minutes, priced; past it the drill refuses before running the drill.
 GROW_LIMIT = 1.5
-# the supervisor's timeout each hang waits out before it is found
-HANG_TIMEOUTS = {
-    "hang": "step_timeout_s",
-    "hang_startup": "startup_timeout_s",
-    "hang_compile": "startup_timeout_s",
-    "hang_restore": "restore_timeout_s",
-    "hang_checkpoint": "checkpoint_timeout_s",
-    "hang_eval": "eval_timeout_s",
+# the supervisor's timeout each hang waits out before it is found: its phase's (a SupervisorConfig field)
+HANG_TIMEOUTS = {"hang": Phase.STEP.timeout_field} | {
+    f"hang_{p}": p.timeout_field for p in (Phase.STARTUP, Phase.COMPILE, Phase.RESTORE, Phase.CHECKPOINT, Phase.EVAL)
 }
 
 

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.config import Config, Fault, dump_yaml
+from trainer.config import Config, Fault, Phase, dump_yaml
 from trainer.drill.plan import Planned
 from trainer.observe.events import read_events
 from trainer.observe.heartbeat import heartbeat_path
@@ -100,10 +100,10 @@ def drilled(cfg: Config, plan: list[Planned], work: Path, *, limit_s: float) -> 
         sessions += 1
         while proc.poll() is None:
             hb = read_heartbeat(heartbeat_path(run_dir, 0))
-            if preempts and hb and hb.get("phase") == "step" and hb.get("step", -1) >= preempts[0]:
+            if preempts and hb and hb.phase == Phase.STEP and hb.step >= preempts[0]:
                 preempts.pop(0)
                 proc.send_signal(signal.SIGTERM)
-                sent.append({"kind": "preempt", "step": hb["step"], "time": time.time()})
+                sent.append({"kind": "preempt", "step": hb.step, "time": time.time()})
             if time.time() - t0 > limit_s:
                 proc.kill()
                 raise DrillError(f"the drilled run took longer than {limit_s:.0f} s: see {log}")

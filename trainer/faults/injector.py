@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from trainer.config import Fault
+from trainer.config import Fault, Phase
 from trainer.faults import corrupt, lose_node
 from trainer.store import rundir
 from trainer.store.rundir import write_json
@@ -58,7 +58,7 @@ class FaultInjector:
         self._slow_s: dict[int, float] = {}  # id(fault) -> its sleep, fixed when it first fires
         self._times_steps = any(f.step_multiple for _, f in self._faults)
 
-    def _pending(self, kind: str, step: int, *, open_ended: bool = False, phase: str = "step") -> Fault | None:
+    def _pending(self, kind: str, step: int, *, open_ended: bool = False, phase: Phase = Phase.STEP) -> Fault | None:
         for i, f in self._faults:
             end = float("inf") if open_ended else f.step + max(f.count, 1)
             if f.kind == kind and f.phase == phase and i not in self._fired and f.step <= step < end:
@@ -127,7 +127,7 @@ class FaultInjector:
         if f := self._pending("node", step):
             self._record(f, step)
             lose_node.now(self.node_local)
-        self._hang_or_slow("step", step)
+        self._hang_or_slow(Phase.STEP, step)
 
     def _slow_seconds(self, f: Fault) -> float:
         """A slow fault's sleep: `seconds`, or `step_multiple` times the median of the steps just before it
@@ -158,14 +158,14 @@ class FaultInjector:
             self._hog.go.set()
             self._hog = None
 
-    def in_phase(self, phase: str, step: int) -> None:
+    def in_phase(self, phase: Phase, step: int) -> None:
         """Called right after the worker's heartbeat says it entered `phase` (startup, restore, compile,
         checkpoint): the hang and slow faults of that phase fire here."""
         self._hang_or_slow(phase, step)
 
-    def _hang_or_slow(self, phase: str, step: int) -> None:
+    def _hang_or_slow(self, phase: Phase, step: int) -> None:
         # Outside the step phase a fault fires once, the first time the phase is entered at or after its step.
-        other = phase != "step"
+        other = phase != Phase.STEP
         if other and (f := self._pending("slow", step, open_ended=True, phase=phase)):
             self._record(f, step)
             time.sleep(f.seconds)

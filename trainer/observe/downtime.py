@@ -20,7 +20,7 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from trainer.observe.heartbeat import after_last_pulse
+from trainer.observe.heartbeat import Pulse, after_last_pulse
 from trainer.store import env_vars
 from trainer.store.event_names import DOWNTIME
 
@@ -38,14 +38,14 @@ PARTS = {
 }
 
 
-def failed_at(pulses: Sequence[dict | None], cause_t: float, noticed: float) -> float:
+def failed_at(pulses: Sequence[Pulse | None], cause_t: float, noticed: float) -> float:
     """When a group failed that ended by itself: when the first process that failed by itself was seen leaving
     (`cause_t`, within a poll); where none was (a lost node's process is never reported, only its survivors'
     reactions), within a pulse of the oldest pulse that stopped, not leaving on purpose; else when noticed."""
     if cause_t:
         return min(cause_t, noticed)
-    stopped = [p for p in pulses if p and not p.get("ending")]
-    return min(after_last_pulse(min(stopped, key=lambda p: p["time"])), noticed) if stopped else noticed
+    stopped = [p for p in pulses if p and not p.ending]
+    return min(after_last_pulse(min(stopped, key=lambda p: p.time)), noticed) if stopped else noticed
 
 
 def for_next_attempt(failure: dict, launched: float) -> str:

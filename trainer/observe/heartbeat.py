@@ -2,8 +2,9 @@
 and a pulse: another file per process that a thread of the worker rewrites every PULSE_S whatever the
 training does.
 
-The worker writes them; the supervisor (which never imports jax) reads them to tell a slow phase from a
-hang, and `status` to show the last beat and whether it is overdue. When the group hangs, the pulses say
+The worker writes them; the supervisor (which never imports jax) reads them, as Beat and Pulse records, to
+tell a slow phase from a hang (each trainer.config.Phase has its own timeout), and `status` to show the last
+beat and whether it is overdue. When the group hangs, the pulses say
 which process froze (SIGSTOP, a node gone silent): its pulse stops, while its peers, blocked in a collective
 waiting for it, still pulse. A run-dir record, so it lives in observe.
 """
@@ -17,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.config import PHASES, SupervisorConfig
+from trainer.config import Phase
 from trainer.observe.events import NO_SPACE
 from trainer.store import env_vars, rundir
 from trainer.store.rundir import read_json, write_json
@@ -39,24 +40,73 @@ def node_name(process: int) -> str:
     return os.environ.get(env_vars.SLURMD_NODENAME) or socket.gethostname()
 
 
-def phase_timeout(sc: SupervisorConfig, phase: str) -> float:
-    """How long a worker may stay silent in `phase` before it counts as hung."""
-    return {
-        "startup": sc.startup_timeout_s,
-        "compile": sc.startup_timeout_s,
-        "restore": sc.restore_timeout_s,
-        "checkpoint": sc.checkpoint_timeout_s,
-        "eval": sc.eval_timeout_s,
-        "done": sc.checkpoint_timeout_s,
-    }.get(phase, sc.step_timeout_s)
-
-
 def heartbeat_path(run_dir: Path, process: int) -> Path:
     return Path(run_dir) / rundir.HEARTBEAT / f"worker-{process}.json"
 
 
 def pulse_path(run_dir: Path, process: int) -> Path:
     return Path(run_dir) / rundir.HEARTBEAT / f"pulse-{process}.json"
+
+
+@dataclass(frozen=True)
+class Beat:
+    """A process's heartbeat: the phase it entered, at which step and when; who wrote it (pid, the attempt's
+    `launch`, its node), the fingerprint of the data it reads, and its clean-step timing marks."""
+
+    phase: Phase
+    step: int
+    time: float
+    pid: int | None = None
+    launch: str | None = None  # the attempt (set by the supervisor): a stale file of an old attempt never counts
+    data: str = ""
+    node: str = ""
+    timing: list[dict] | None = None  # trainer.train.step_log's marks, read by the straggler watch
+
+    def to_json(self) -> dict:
+        """The file's object, keys in this order; "timing" only when the worker measures it."""
+        out = {"phase": str(self.phase), "step": self.step, "time": self.time, "pid": self.pid}
+        out.update(launch=self.launch, data=self.data, node=self.node)
+        return out if self.timing is None else dict(out, timing=self.timing)
+
+    @classmethod
+    def from_json(cls, obj: dict | None) -> Beat | None:
+        """None when missing, torn or damaged (no phase we know, a step or time that is not a number): a reader
+        treats it as not written yet."""
+        if obj is None or not all(_number(obj.get(k)) for k in ("step", "time")):
+            return None
+        try:
+            phase = Phase(obj.get("phase"))
+        except ValueError:
+            return None
+        who = obj.get("pid"), obj.get("launch"), obj.get("data", ""), obj.get("node", "")
+        return cls(phase, obj["step"], obj["time"], *who, obj.get("timing"))
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class Pulse:
+    """A process's sign of life: when its pulse thread last wrote, who it is, and whether it leaves on purpose."""
+
+    time: float
+    pid: int | None = None
+    launch: str | None = None
+    node: str = ""
+    ending: bool = False  # it leaves on purpose (done, preempted, ...): its pulse stopping is no failure
+
+    def to_json(self) -> dict:
+        """The file's object, keys in this order; "ending" only once it is true."""
+        out = {"time": self.time, "pid": self.pid, "launch": self.launch, "node": self.node}
+        return dict(out, ending=True) if self.ending else out
+
+    @classmethod
+    def from_json(cls, obj: dict | None, launch: str) -> Pulse | None:
+        """None unless it is a pulse of attempt `launch` with a time (none yet, torn, or an older attempt's)."""
+        if obj is None or obj.get("launch") != launch or not isinstance(obj.get("time"), (int, float)):
+            return None
+        return cls(obj["time"], obj.get("pid"), launch, obj.get("node", ""), bool(obj.get("ending")))
 
 
 class Heartbeat:
@@ -73,10 +123,10 @@ class Heartbeat:
 
     def _pulse_once(self) -> None:
         launch = os.environ.get(env_vars.LAUNCH_ID, "")
-        record = {"time": time.time(), "pid": os.getpid(), "launch": launch, "node": self.node}
         try:
             with self._lock:
-                write_json(self._pulse, dict(record, **({"ending": True} if self._ending else {})), indent=None)
+                pulse = Pulse(time.time(), os.getpid(), launch, self.node, self._ending)
+                write_json(self._pulse, pulse.to_json(), indent=None)
         except OSError as e:
             if e.errno not in NO_SPACE:
                 raise
@@ -92,45 +142,24 @@ class Heartbeat:
         self._ending = True
         self._pulse_once()
 
-    def beat(self, phase: str, step: int) -> None:
-        # "launch" names the attempt (set by the supervisor), so a stale file from an old attempt never counts.
+    def beat(self, phase: Phase, step: int) -> None:
+        launch = os.environ.get(env_vars.LAUNCH_ID, "")
+        beat = Beat(phase, step, time.time(), os.getpid(), launch, self.data, self.node, self.timing)
         try:
-            write_json(
-                self.path,
-                {
-                    "phase": phase,
-                    "step": step,
-                    "time": time.time(),
-                    "pid": os.getpid(),
-                    "launch": os.environ.get(env_vars.LAUNCH_ID, ""),
-                    "data": self.data,
-                    "node": self.node,
-                    **({"timing": self.timing} if self.timing is not None else {}),
-                },
-                indent=None,
-            )
+            write_json(self.path, beat.to_json(), indent=None)
         except OSError as e:  # a full disk: the last beat stays; a real hang is still caught by its age
             if e.errno not in NO_SPACE:
                 raise
 
 
-def read_pulse(run_dir: Path, process: int, launch: str) -> dict | None:
+def read_pulse(run_dir: Path, process: int, launch: str) -> Pulse | None:
     """A process's pulse in this attempt (`launch`), or None (none yet, torn, or an older attempt's)."""
-    p = read_json(pulse_path(run_dir, process))
-    ok = p is not None and p.get("launch") == launch and isinstance(p.get("time"), (int, float))
-    return p if ok else None
+    return Pulse.from_json(read_json(pulse_path(run_dir, process)), launch)
 
 
-def read(path: Path) -> dict | None:
+def read(path: Path) -> Beat | None:
     """The heartbeat, or None when it is missing, torn or damaged: a reader treats it as not written yet."""
-    hb = read_json(path)
-    if (
-        hb is None
-        or hb.get("phase") not in PHASES
-        or not all(isinstance(hb.get(k), (int, float)) and not isinstance(hb.get(k), bool) for k in ("step", "time"))
-    ):
-        return None
-    return hb
+    return Beat.from_json(read_json(path))
 
 
 @dataclass(frozen=True)
@@ -139,14 +168,14 @@ class Snapshot:
     snapshot to everyone who judges them (the hang and frozen checks, the straggler watch, the step its events
     carry, the failure's moment)."""
 
-    files: tuple[dict | None, ...]  # as read (None: missing, torn or damaged), whichever attempt wrote them
+    files: tuple[Beat | None, ...]  # as read (None: missing, torn or damaged), whichever attempt wrote them
     launch: str  # the attempt asked about
-    pulses: tuple[dict | None, ...] = ()  # each process's pulse in this attempt (read_pulse; None: none yet)
+    pulses: tuple[Pulse | None, ...] = ()  # each process's pulse in this attempt (read_pulse; None: none yet)
 
     @property
-    def beats(self) -> list[dict | None]:
+    def beats(self) -> list[Beat | None]:
         """This attempt's heartbeats (None until the process writes one)."""
-        return [hb if hb and hb.get("launch") == self.launch else None for hb in self.files]
+        return [hb if hb and hb.launch == self.launch else None for hb in self.files]
 
     @property
     def ready(self) -> bool:
@@ -157,7 +186,7 @@ class Snapshot:
     def step(self) -> int | None:
         """Process 0's latest step, whichever attempt wrote it: one that fails before its first beat failed at
         the step the one before it reached."""
-        return self.files[0]["step"] if self.files[0] else None
+        return self.files[0].step if self.files[0] else None
 
 
 def snapshot(run_dir: Path, processes: int, launch: str) -> Snapshot:
@@ -168,6 +197,6 @@ def snapshot(run_dir: Path, processes: int, launch: str) -> Snapshot:
     )
 
 
-def after_last_pulse(pulse: dict) -> float:
+def after_last_pulse(pulse: Pulse) -> float:
     """When a process that stopped pulsing stopped: within PULSE_S after its last pulse; the midpoint (+-0.5 s)."""
-    return pulse["time"] + PULSE_S / 2
+    return pulse.time + PULSE_S / 2

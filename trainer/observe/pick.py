@@ -68,7 +68,7 @@ def live_pid(run_dir: Path) -> int | None:
     if not runview.run_state(view)[1]:
         return None
     starts = [e for e in view.events if e["event"] in SESSION_STARTS]
-    return (starts[-1] if starts else {}).get("pid") or (view.heartbeat or {}).get("pid")
+    return (starts[-1] if starts else {}).get("pid") or (view.heartbeat.pid if view.heartbeat else None)
 
 
 def _saved_with_manifests(run_dir: Path | None) -> bool:

@@ -11,9 +11,10 @@ import statistics
 import time
 from pathlib import Path
 
-from trainer.config import Config, ConfigError, from_tree
+from trainer.config import Config, ConfigError, Phase, from_tree
 from trainer.observe import goodput, heartbeat
 from trainer.observe.events import iter_events
+from trainer.observe.heartbeat import Beat
 from trainer.store import rundir
 from trainer.store.event_names import (
     ALERT,
@@ -34,7 +35,7 @@ class RunView:
     run_dir: Path
     cfg: Config
     events: list[dict]
-    heartbeat: dict | None
+    heartbeat: Beat | None  # process 0's
     summary: dict
     now: float
     problems: list[str] = dataclasses.field(default_factory=list)  # damaged files, shown as notes
@@ -114,12 +115,12 @@ def run_state(v: RunView) -> tuple[str, bool]:
             state = RUN_ENDED[e["event"]] + (f" ({e['reason']})" if e.get("reason") else "")
     if state != "RUNNING":
         return state, False
-    pid = live_pid or (v.heartbeat or {}).get("pid")
+    pid = live_pid or (v.heartbeat.pid if v.heartbeat else None)
     return ("RUNNING", True) if _alive(pid) else ("NOT RUNNING (no process; killed or lost)", False)
 
 
-def overdue_limit(v: RunView, phase: str) -> float:
-    return v.cfg.alerts.overdue_fraction * heartbeat.phase_timeout(v.cfg.supervisor, phase)
+def overdue_limit(v: RunView, phase: Phase) -> float:
+    return v.cfg.alerts.overdue_fraction * phase.timeout(v.cfg.supervisor)
 
 
 def open_alerts(events: list[dict]) -> list[dict]:

@@ -95,9 +95,9 @@ def _progress_line(v: RunView, steps: dict[int, dict], live: bool) -> str:
         line += f"   ETA {fmt_duration((total - step) * _median_of(recent, 'step_s'))}"
     hb = v.heartbeat
     if hb:
-        age = v.now - hb["time"]
-        line += f"   heartbeat {age:.1f}s ago (phase {hb['phase']}, step {hb['step']})"
-        if live and age > overdue_limit(v, hb["phase"]):
+        age = v.now - hb.time
+        line += f"   heartbeat {age:.1f}s ago (phase {hb.phase}, step {hb.step})"
+        if live and age > overdue_limit(v, hb.phase):
             line += f"  << OVERDUE: no progress for {fmt_duration(age)}"
     return line
 
@@ -152,11 +152,11 @@ def _alert_lines(v: RunView, live: bool) -> list[str]:
     if (
         live
         and hb
-        and v.now - hb["time"] > overdue_limit(v, hb["phase"])
+        and v.now - hb.time > overdue_limit(v, hb.phase)
         and not any(a["kind"] == Kind.STEP_OVERDUE for a in alerts)
     ):
-        silent = fmt_duration(v.now - hb["time"])
-        out.append(f"  ! {Kind.STEP_OVERDUE} (from the heartbeat): phase {hb['phase']} silent {silent}")
+        silent = fmt_duration(v.now - hb.time)
+        out.append(f"  ! {Kind.STEP_OVERDUE} (from the heartbeat): phase {hb.phase} silent {silent}")
     return out
 
 

@@ -10,37 +10,52 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer.config import Phase
 from trainer.observe import heartbeat
 from trainer.observe.alerts import ALERTS, Kind
+from trainer.observe.heartbeat import Beat, Pulse
 from trainer.store import rundir
 from trainer.store.event_names import ALERT, ALERT_CLEARED, HANG_DETECTED, STACKS_DUMPED
 from trainer.supervise import group
 
 
 @dataclass(frozen=True)
-class Silence:
-    """The group's silence at one poll: its process most overdue for its own phase's timeout."""
+class Standing:
+    """Where one process stands at a poll: its phase, since when, at which step (before its first beat: in
+    startup since the attempt began, at no step)."""
 
-    phase: str
+    process: int
+    phase: Phase
+    since: float
+    step: int | None
+
+
+@dataclass(frozen=True)
+class Silence:
+    """The group's silence at one poll, judged by the process least overdue for its own phase's timeout: the
+    group is hung once even that one is."""
+
+    phase: Phase
     since: float  # that process's last beat (the attempt's start, before its first)
     step: int | None  # the group's lowest step
     silent_s: float
     timeout_s: float
-    beats: list  # (phase, time, step, process) per process: what hung_on judges
+    beats: list[Standing]  # every process's, in process order: what hung_on judges
 
 
-def silence(hbs: list[dict | None], started: float, timeout: Callable[[str], float]) -> Silence:
+def silence(hbs: Sequence[Beat | None], started: float, timeout: Callable[[Phase], float]) -> Silence:
     """`hbs`: each process's heartbeat in this attempt (None before its first); `timeout(phase)`: its limit."""
     # Processes move in lockstep: one waiting in a collective for a slower peer (still compiling, say)
     # is not hung. The group is hung once every process is overdue for its own phase.
     beats = [
-        (hb["phase"], hb["time"], hb["step"], i) if hb else ("startup", started, None, i) for i, hb in enumerate(hbs)
+        Standing(i, hb.phase, hb.time, hb.step) if hb else Standing(i, Phase.STARTUP, started, None)
+        for i, hb in enumerate(hbs)
     ]
-    phase, since, step, process = min(beats, key=lambda b: (time.time() - b[1]) / timeout(b[0]))
+    least = min(beats, key=lambda b: (time.time() - b.since) / timeout(b.phase))
     # Say where the group is stuck: its lowest step (hosts dispatch a step ahead of their devices, so the
     # peers of a hung process may have started the next one before waiting on it).
-    step = min((b[2] for b in beats if b[2] is not None), default=step)
-    return Silence(phase, since, step, time.time() - since, timeout(phase), beats)
+    step = min((b.step for b in beats if b.step is not None), default=least.step)
+    return Silence(least.phase, least.since, step, time.time() - least.since, timeout(least.phase), beats)
 
 
 class Overdue:
@@ -83,23 +98,23 @@ class Pulses:
     failed: float = 0.0  # when the frozen process failed: within a pulse period after its last pulse (midpoint)
 
 
-def pulses(ps: Sequence[dict | None], now: float) -> Pulses:
+def pulses(ps: Sequence[Pulse | None], now: float) -> Pulses:
     """`ps`: each process's pulse in this attempt (heartbeat.read_pulse; None before its first). A process is
     frozen when its pulse is over PULSE_STALE_S old while a peer's is at most PULSE_FRESH_S old: its peers are
     alive and, in lockstep, wait for it. Not judged: a process with no pulse yet (still starting: the startup
     timeout covers it) or one leaving on purpose; nor a group that is silent as a whole (a stalled shared disk,
     a suspended machine: the hang timeouts cover it)."""
-    ages = {i: now - p["time"] for i, p in enumerate(ps) if p is not None and not p.get("ending")}
+    ages = {i: now - p.time for i, p in enumerate(ps) if p is not None and not p.ending}
     fresh = any(a <= heartbeat.PULSE_FRESH_S for a in ages.values())
     stale = [i for i, a in ages.items() if a > heartbeat.PULSE_STALE_S]
     live = [a for a in ages.values() if a <= heartbeat.PULSE_STALE_S]
-    culprit = min(stale, key=lambda i: ps[i]["time"]) if stale and fresh else None
+    culprit = min(stale, key=lambda i: ps[i].time) if stale and fresh else None
     if culprit is None:
         return Pulses(None, 0.0, max(live, default=0.0))
     return Pulses(culprit, ages[culprit], max(live, default=0.0), heartbeat.after_last_pulse(ps[culprit]))
 
 
-def frozen(ps: tuple[dict | None, ...], proc: group.Group, write: Callable, *, step: int | None) -> Pulses:
+def frozen(ps: Sequence[Pulse | None], proc: group.Group, write: Callable, *, step: int | None) -> Pulses:
     """Judge the group's pulses now; a frozen process (its node lost or gone silent, the process stopped) gets
     its hang_detected event (phase "frozen"), its node the blame, and one line on stderr. No stack dump: a
     frozen process cannot answer, and its peers only wait for it. The caller kills the group. `ps`: the poll's
@@ -107,7 +122,7 @@ def frozen(ps: tuple[dict | None, ...], proc: group.Group, write: Callable, *, s
     v = pulses(ps, time.time())
     if v.frozen is None:
         return v
-    node = ps[v.frozen].get("node", "")
+    node = ps[v.frozen].node
     why = f"its process {v.frozen} froze (no sign of life for {v.frozen_s:.1f} s) while its peers went on"
     write(
         HANG_DETECTED,
@@ -126,27 +141,30 @@ def frozen(ps: tuple[dict | None, ...], proc: group.Group, write: Callable, *, s
     return v
 
 
-def hung_on(beats: list, hbs: list[dict | None], pulses: tuple[dict | None, ...]) -> tuple[int, str, str]:
+def hung_on(
+    beats: Sequence[Standing], hbs: Sequence[Beat | None], pulses: Sequence[Pulse | None]
+) -> tuple[int, str, str]:
     """(process, node, why) the hang points at. A frozen process (SIGSTOP, a node gone silent) stops
     pulsing while its peers, blocked in a collective waiting for it, still pulse; when all pulse (a stuck
-    kernel), the process furthest behind: lowest step, then oldest beat. `beats`: (phase, time, step,
-    process) per process; `hbs`: their heartbeats; `pulses`: their pulses (heartbeat.Snapshot.pulses)."""
+    kernel), the process furthest behind: lowest step, then oldest beat. `beats`: Silence.beats; `hbs`: their
+    heartbeats; `pulses`: their pulses (heartbeat.Snapshot.pulses)."""
     now = time.time()
-    frozen = [i for i, p in enumerate(pulses) if p is None or now - p["time"] > heartbeat.PULSE_STALE_S]
+    frozen = [i for i, p in enumerate(pulses) if p is None or now - p.time > heartbeat.PULSE_STALE_S]
     if frozen and len(frozen) < len(pulses):
         i = frozen[0]
-        age = f"{now - pulses[i]['time']:.0f} s" if pulses[i] else "ever"
+        age = f"{now - pulses[i].time:.0f} s" if pulses[i] else "ever"
         why = f"its process {i} froze (no sign of life for {age}) while its peers waited for it"
     else:
-        i = min(beats, key=lambda b: (b[2] if b[2] is not None else -1, b[1]))[3]
-        why = f"its process {i} was furthest behind when the group hung ({beats[i][0]}, step {beats[i][2]})"
-    return i, (hbs[i] or {}).get("node", ""), why
+        b = min(beats, key=lambda b: (b.step if b.step is not None else -1, b.since))
+        i = b.process
+        why = f"its process {i} was furthest behind when the group hung ({b.phase}, step {b.step})"
+    return i, hbs[i].node if hbs[i] else "", why
 
 
-def dump_stacks(run_dir: Path, proc: group.Group, hbs: list[dict | None], write: Callable) -> None:
+def dump_stacks(run_dir: Path, proc: group.Group, hbs: Sequence[Beat | None], write: Callable) -> None:
     """The workers registered faulthandler on SIGUSR1: ask every process for its Python stacks before
     the kill (under SLURM their pids are known only from their heartbeats)."""
-    pids = proc.worker_pids() or [hb["pid"] for hb in hbs if hb]
+    pids = proc.worker_pids() or [hb.pid for hb in hbs if hb and hb.pid]
     proc.send_signal(signal.SIGUSR1)
     files = [rundir.stack_file(run_dir, pid) for pid in pids]
     sizes: dict = {}

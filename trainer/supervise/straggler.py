@@ -4,34 +4,32 @@ heartbeat. No jax here.
 In lockstep training every process's step takes the same wall time T: the collectives wait for the slowest.
 Each worker reports, over its clean steps, its wait (blocked on the device and the group: reading a step's
 results, and on XLA:CPU the step call itself) and its own time (the rest: data, dispatch, the per-step
-agreement's RPC, other host work). A host that keeps up queues the next step and then waits on its device; the host the
-group waits for never does: its wait falls to nothing while its own time fills the step. So a straggler is
-a process that is host-bound (wait under CRITICAL of T, or its steps run inside the step call, as XLA:CPU
-runs a one-device process's: then no host work overlaps its device) with more own time than its peers'
-median, accounting for at least half of what the group lost, and the group's step is slower than in its
-last calm windows by `straggler.factor`. A slower host
-that still keeps ahead of its device costs nothing (its wait absorbs it) and is no straggler: measured on
-the CPU test mode (4 devices a process, each process on its own core), a process sleeping 250 ms a step
-beside a 380 ms device step left T unchanged, its wait 124 ms; 500 ms made T 510 ms, its wait 11 ms. On
-GPUs the step call only queues kernels and the wait is in reading results; the rule is the same.
+agreement's RPC, other host work). A host that keeps up queues the next step and then waits on its device;
+the host the group waits for never does: its wait falls to nothing while its own time fills the step. So a
+straggler is a process that is host-bound (wait under CRITICAL of T, or its steps run inside the step call,
+as XLA:CPU runs a one-device process's: then no host work overlaps its device) with more own time than its
+peers' median, accounting for at least half of what the group lost, and the group's step is slower than in
+its last calm windows by `straggler.factor`. A slower host that still keeps ahead of its device costs
+nothing (its wait absorbs it) and is no straggler. On GPUs the step call only queues kernels and the wait is
+in reading results; the rule is the same.
 
 Only clean steps count (no save, eval or restore near them: the worker leaves out `straggler.grace_steps`
 steps after each), and a verdict needs `straggler.windows` consecutive windows of `window_steps` clean steps
 on every process: a recompile or a one-off pause never makes one. Windows are cut by the workers (every
-window_steps clean steps, the same steps on every process), not by the supervisor's polls: with fast steps a
-poll-cut window straddled a slowdown's onset or end, and a 30-step slowdown of 115 ms steps left one whole
-window where two were needed (seen on an idle machine: no verdict in 2 runs of 3).
+window_steps clean steps, the same steps on every process), not by the supervisor's polls: a poll-cut window
+straddles a slowdown's onset or end. docs/multihost.md#stragglers has the measurements behind these rules.
 """
 
 from __future__ import annotations
 
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from trainer.config import StragglerConfig
 from trainer.observe.alerts import ALERTS, Kind
+from trainer.observe.heartbeat import Beat
 from trainer.store.event_names import ALERT, ALERT_CLEARED, STRAGGLER, STRAGGLER_CLEARED
 
 CRITICAL = 0.1  # a process waiting less than this part of the step is the one its peers wait for
@@ -87,7 +85,7 @@ class StragglerWatch:
     calm_spans: list[list[int]] = field(default_factory=list)  # their [first, last] training steps
     _slower: int = 0  # consecutive windows without a candidate but slower than the calm by the factor
 
-    def observe(self, heartbeats: list[dict | None], launch: str) -> list[tuple[str, Verdict]]:
+    def observe(self, heartbeats: Sequence[Beat | None], launch: str) -> list[tuple[str, Verdict]]:
         """Feed the latest heartbeats of attempt `launch`; returns what changed: ("straggler", verdict) when
         one is declared, ("cleared", verdict) when its process is no slower any more. Each heartbeat carries
         its process's counters at its latest multiples of window_steps clean steps (its marks); a window is
@@ -96,11 +94,11 @@ class StragglerWatch:
             launch != self.launch or not self._base
         ):  # a new attempt: its counters start over (the standing verdict is ended by end())
             self.launch, self._base, self._streak = launch, [dict.fromkeys(_KEYS, 0.0)] * self.processes, {}
-        marks = [(hb or {}).get("timing") for hb in heartbeats]
+        marks = [hb.timing if hb else None for hb in heartbeats]
         if len(marks) != self.processes or not all(isinstance(m, list) for m in marks):
             return []
         by_n = [{m["n"]: m for m in ms if isinstance(m, dict) and "n" in m} for ms in marks]
-        nodes = [(hb or {}).get("node", "") for hb in heartbeats]
+        nodes = [hb.node if hb else "" for hb in heartbeats]
         out = []
         for n in sorted(set(by_n[0]).intersection(*by_n[1:])):
             if n > self._base[0]["n"]:  # a window missed (4 behind) is merged into the next: means, not sums
@@ -144,18 +142,16 @@ class StragglerWatch:
     def _eased(self, w: _Window) -> bool:
         """Whether a window in which no one was named counts toward clearing the open verdict: its step is
         nearer the calm the verdict was measured against than the pace it named. One still as slow as the
-        verdict's pace is the slowdown going on with the machine's load hiding whose it is (a fresh-clone
-        .ci/run: no one named in process 1's 3x slowed window 44-53, steps of 0.5-1.9 s against a calm 0.21 s,
-        and its verdict cleared at step 64). The window the slowdown ends in counts (one slowed step of ten:
-        about the factor itself, so `factor` would be no line)."""
+        verdict's pace is the slowdown going on with the machine's load hiding whose it is. The window the
+        slowdown ends in counts (one slowed step of ten: about the factor itself, so `factor` would be no line)."""
         v = self.open
         return statistics.median(w.step_s) < v.calm_s * (1 + v.slowdown) / 2
 
     def _admit_calm(self, step: float, span: list[int]) -> None:
         """A window with no candidate is the new calm unless it is `factor` slower than the calm so far: the
         window a slowdown starts in (half calm, half slow, its process not yet host-bound over the whole
-        window) would have made the verdict's slowdown 1.53x where the run showed 1.69x. `windows` such
-        windows in a row are a new pace (a slower group, e.g. after a drain), and become the calm."""
+        window) would understate the verdict's slowdown. `windows` such windows in a row are a new pace (a
+        slower group, e.g. after a drain), and become the calm."""
         if self.calm and step > self.cfg.factor * statistics.median(self.calm) and self._slower < self.cfg.windows - 1:
             self._slower += 1
             return
@@ -215,8 +211,7 @@ class StragglerWatch:
 def _over(streak: tuple[int, float, float, int], v: Verdict) -> Verdict:
     """The verdict over all its windows (`streak`: their steps, lost seconds, calm seconds (calm x steps) and
     first step): the latest window's section and excess, the group's mean step over every window against its
-    calm. One window's mean moves with a single stall of a loaded host: 10 steps beside the test suite once
-    read 7.3x where the run's slowed steps showed 3.9x."""
+    calm: one window's mean moves with a single stall of a loaded host."""
     steps, lost, calm_s, first = streak
     calm = calm_s / steps
     step = calm + lost / steps

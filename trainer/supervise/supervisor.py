@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.config import Config
+from trainer.config import Config, Phase
 from trainer.observe import downtime, goodput, heartbeat, outcome, progress
 from trainer.observe.events import EventLog, read_events
 from trainer.store import env_vars, rundir
@@ -125,8 +125,8 @@ class Supervisor:
         if log:
             log.close()
 
-    def _timeout(self, phase: str) -> float:
-        return heartbeat.phase_timeout(self.sc, phase)
+    def _timeout(self, phase: Phase) -> float:
+        return phase.timeout(self.sc)
 
     def _snapshot(self, att: Attempt) -> heartbeat.Snapshot:
         return heartbeat.snapshot(self.run_dir, att.proc.processes, att.proc.launch_id)
@@ -188,7 +188,7 @@ class Supervisor:
                 self.forwarded = True  # now wait for the save
             if not self.accepted:
                 continue
-            if snap.beats[0] and snap.beats[0]["phase"] == "step":  # it trains: recovered, if it recovers
+            if snap.beats[0] and snap.beats[0].phase == Phase.STEP:  # it trains: recovered, if it recovers
                 self.failure = None  # (its first step wrote the downtime event)
                 att.trains_since = att.trains_since or time.time()
                 if time.time() - att.trains_since > STANDBY_AFTER_S:  # not beside its own first steps
@@ -312,7 +312,7 @@ class Supervisor:
             if not storage.wait_for_room(self.run_dir, wait, self.events.write, step=step, stop=self._stopping):
                 return self._give_up(d.fails_as, step, "a checkpoint could not be written", att)
         elif d.remedy == exit_codes.REWIND_REPLICAS:  # silent data corruption: back to a checked state
-            nodes = [(hb or {}).get("node", "") for hb in att.last.beats]
+            nodes = [hb.node if hb else "" for hb in att.last.beats]
             line, culprit = replica_rewind.rewind(self.run_dir, self.events.write, tag=att.number, nodes=nodes)
             print(f"supervisor: {line}", file=sys.stderr)
             if culprit:
@@ -396,7 +396,7 @@ class Supervisor:
 
 def _last_step(run_dir: Path) -> int | None:
     hb = heartbeat.read(heartbeat.heartbeat_path(run_dir, 0))
-    return hb["step"] if hb else None
+    return hb.step if hb else None
 
 
 def main(cfg: Config, config_path: str | None, overrides: list[str]) -> int:

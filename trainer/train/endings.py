@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from trainer.config import Phase
 from trainer.observe.alerts import Do
 from trainer.observe.events import iter_events, newest_record
 from trainer.store import rundir
@@ -27,7 +28,7 @@ from trainer.train.worker import Worker
 
 
 def end(w: Worker, flags: Flags, st, step: int, loss: float) -> int:
-    w.heartbeat.beat("checkpoint", step)
+    w.heartbeat.beat(Phase.CHECKPOINT, step)
     w.ckpt.close()  # durable (and sealed) before we report anything as saved
     w.ckpt.drop_failed_local()
     if w.ckpt.failure():
@@ -57,7 +58,7 @@ def finish(w: Worker, st, step: int, loss: float | None) -> None:
         summary["wall_s"] = time.time() - first
         rundir.write_json(w.run_dir / rundir.SUMMARY, summary)
     w.events.write(RUN_COMPLETE, step=step, final_loss=loss, params_sha256=digest)
-    w.heartbeat.beat("done", step)
+    w.heartbeat.beat(Phase.DONE, step)
 
 
 def spike_exit(w: Worker, flags: Flags) -> int:

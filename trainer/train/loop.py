@@ -22,7 +22,7 @@ import jax
 from trainer import xla_env
 from trainer.ckpt import checkpoint, weights
 from trainer.ckpt.save_policy import Requests, Save, SavePolicy
-from trainer.config import Config, to_dict
+from trainer.config import Config, Phase, to_dict
 from trainer.model.model import attention_impl
 from trainer.observe import outcome
 from trainer.observe.audit import AuditLog
@@ -68,7 +68,7 @@ def run(cfg: Config) -> int:
     w = setup(cfg)
     flags = Flags(lr_scale_now=w.hyperparams["lr_scale"])
     _install_signals(w, flags)
-    _enter(w, "startup", _newest_durable(w))  # a startup-phase fault at step S fires in a restart from S or later
+    _enter(w, Phase.STARTUP, _newest_durable(w))  # a startup-phase fault at step S fires in a restart from S or later
     code = _train(w, flags, _start_up(w, t_start))
     w.heartbeat.ending()
     w.events.close()
@@ -137,7 +137,7 @@ def _start_up(w: Worker, t_start: float) -> _Start:
     return _Start(st, start, feed, step_fn, ev, startup_s)
 
 
-def _enter(w: Worker, phase: str, step: int) -> None:
+def _enter(w: Worker, phase: Phase, step: int) -> None:
     """The heartbeat says the worker entered `phase`; a hang or slow fault of that phase fires here."""
     w.heartbeat.beat(phase, step)
     w.faults.in_phase(phase, step)
@@ -162,7 +162,7 @@ def _newest_durable(w: Worker) -> int:
 def _restore_or_init(w: Worker):
     # The phase's step is the newest committed durable checkpoint (0: none): what `status` shows while it is
     # read, and what a restore-phase fault compares with (one at step S fires in a restore of S or later).
-    _enter(w, "restore", _newest_durable(w))
+    _enter(w, Phase.RESTORE, _newest_durable(w))
     t0, w.marks["restoring"] = time.perf_counter(), time.time()
     try:
         restored = w.ckpt.restore_newest(
@@ -208,7 +208,7 @@ def _lower_and_compile(w: Worker):
 
 def _compiled(w: Worker, start: int, compiling: concurrent.futures.Future):
     """The compiled step, once the compile begun beside the restore is done (the compile phase: what is left)."""
-    _enter(w, "compile", start)
+    _enter(w, Phase.COMPILE, start)
     compiled, seconds = compiling.result()
     w.events.write(COMPILED, step=start, seconds=seconds, microbatches=w.microbatches, **runtime(w.cfg))
     return compiled
@@ -241,7 +241,7 @@ def _train(w: Worker, flags: Flags, begin: _Start) -> int:
     group = agree.Agreement(Shared, processes=jax.process_count(), start=start)
     step = last_good = start  # last_good: the last step whose replicas agreed (a restored state agrees)
     while step < stop_at:
-        w.heartbeat.beat("step", step)
+        w.heartbeat.beat(Phase.STEP, step)
         w.faults.before_step(step)
         batch, data_wait = begin.feed.next(step)
         st = _set_lr_scale(w, flags, st, step)
@@ -341,7 +341,7 @@ def _meta(w: Worker) -> dict:
 
 def _save(w: Worker, st, step: int, reason: str, tier: str) -> float | None:
     """Start a save into one tier: its blocking seconds, or None when a durable save could not be written."""
-    _enter(w, "checkpoint", step)
+    _enter(w, Phase.CHECKPOINT, step)
     if tier == DURABLE:
         w.faults.disk_full(step, w.ckpt)
     try:
@@ -370,9 +370,9 @@ def _bitflip(st, step: int):
 def _eval(w: Worker, ev: evaluate.Evaluator, st, step: int) -> float:
     """The held-out loss after `step` updates: event `eval` and TensorBoard loss/eval. A heartbeat phase of
     its own (supervisor.eval_timeout_s): a long eval is no hung step."""
-    _enter(w, "eval", step)
+    _enter(w, Phase.EVAL, step)
     r = ev.run(st["params"])
-    w.heartbeat.beat("step", step)
+    w.heartbeat.beat(Phase.STEP, step)
     w.events.write(EVAL, step=step, **r)
     w.scalars.add(step, {"loss/eval": r["loss"], "loss/eval_perplexity": r["perplexity"]})
     return r["seconds"]
