@@ -14,6 +14,17 @@ from conftest import MICRO, ROOT, child_env, sets
 
 from trainer.config import load_config
 from trainer.drill import plan
+from trainer.drill.kinds import (
+    AFTER_RESTART,
+    BUDGETS,
+    CORRUPTIONS,
+    FIRES,
+    HANG_TIMEOUTS,
+    KINDS,
+    NEEDS,
+    RESTARTS,
+    available,
+)
 from trainer.store import event_names as E
 
 TINY = "configs/tiny.yaml"
@@ -21,7 +32,7 @@ TINY = "configs/tiny.yaml"
 
 def test_the_schedule_is_seeded_poisson_and_lands_each_kind_where_it_can():
     cfg = load_config(TINY)
-    kinds, why = plan.available(cfg)
+    kinds, why = available(cfg)
     assert "bitflip" not in kinds and "replica_check_steps" in why["bitflip"]
     steps, step_s, mtbf = 4000, 0.1, 3.0
     a = plan.schedule(cfg, steps=steps, step_s=step_s, mtbf_s=mtbf, kinds=kinds, seed=7)
@@ -32,9 +43,7 @@ def test_the_schedule_is_seeded_poisson_and_lands_each_kind_where_it_can():
     assert len({p.step for p in a}) == len(a) and all(3 <= p.step < steps - 3 for p in a)
     # one hang in a restart per failure at most: three restarts failing at one checkpoint are a crash loop
     kinds_in_order = [p.kind for p in sorted(a, key=lambda p: p.step)]
-    assert not any(
-        x in plan.AFTER_RESTART and y in plan.AFTER_RESTART for x, y in zip(kinds_in_order, kinds_in_order[1:])
-    )
+    assert not any(x in AFTER_RESTART and y in AFTER_RESTART for x, y in zip(kinds_in_order, kinds_in_order[1:]))
     assert {p.kind for p in a} == set(kinds)
     rb, every = cfg.runbook, cfg.checkpoint.every_steps
     rewinds = [p.step for p in a if p.kind in ("spike", "nan")]
@@ -44,15 +53,15 @@ def test_the_schedule_is_seeded_poisson_and_lands_each_kind_where_it_can():
     assert sum(p.kind == "ecc" for p in a) == 1
     after_save = [p for p in a if p.kind == "crash_after_save"]
     assert all(p.step % every == 1 and p.fault == {"kind": "crash", "step": p.step} for p in after_save)
-    failures = [p.step for p in a if p.kind in plan.RESTARTS]
+    failures = [p.step for p in a if p.kind in RESTARTS]
     # A crash in a save is planned at the save it fires in; failures 2 steps apart at least: the supervisor reads
-    # a crash the step after another as the same step failing again, and three in a row as a crash loop (the
-    # micro drill below, at 28 ms a step, once planned two crashes in the one save of 50 and a crash at 51).
+    # a crash the step after another as the same step failing again, and three in a row as a crash loop
+    # (docs/drill.md: the micro drill below once planned one)
     assert all(p.step % every == 0 for p in a if p.kind == "crash_mid_save")
     assert all(y - x >= 2 for x, y in zip(failures, failures[1:])), failures
     micro = load_config(TINY, [*MICRO, *DRILL_SETS])
     few = plan.schedule(micro, steps=59, step_s=0.028, mtbf_s=1.0, kinds=DRILLED.split(","), seed=3)
-    at = [p.step for p in few if p.kind in plan.RESTARTS]
+    at = [p.step for p in few if p.kind in RESTARTS]
     assert len(at) >= 2 and all(y - x >= 2 for x, y in zip(at, at[1:])), few
     # a preemption (sent when the drill's poll sees its step) half a second of steps before the end at least
     sent = [
@@ -63,24 +72,128 @@ def test_the_schedule_is_seeded_poisson_and_lands_each_kind_where_it_can():
     ]
     assert sent and max(sent) < 59 - 3 - plan.PREEMPT_LEAD_S / 0.028, sent
     for p in a:
-        if p.kind in plan.AFTER_RESTART:  # armed at a checkpoint step that a failure after it restores
+        if p.kind in AFTER_RESTART:  # armed at a checkpoint step that a failure after it restores
             assert p.fault["phase"] == p.kind.split("_")[1] and p.fault["step"] % every in (0, 1)
             assert p.fault["step"] >= 1 and any(s > p.fault["step"] + every - 1 for s in failures)
         if p.kind == "slow":  # the throughput alert's window of pace behind it, since the start or a failure
             assert p.step > max([s for s in failures if s < p.step], default=0) + cfg.alerts.throughput_window
         if p.kind == "corrupt":
-            assert p.fault["how"] in plan.CORRUPTIONS
+            assert p.fault["how"] in CORRUPTIONS
         if p.kind == "preempt":
             assert p.fault is None  # the drill sends it
     off = dataclasses.replace(cfg, runbook=dataclasses.replace(cfg.runbook, enabled=False))
-    assert {"spike", "nan"} <= set(plan.available(off)[1])
+    assert {"spike", "nan"} <= set(available(off)[1])
     # node loss: only inside an allocation with a spare, once per spare, never the first node's processes
     assert "not inside a SLURM allocation" in why["node"]
     slurm = load_config(TINY, ["launch.mode=slurm", "launch.processes=4", "launch.processes_per_node=2"])
-    assert "no spare node" in plan.available(slurm, 0)[1]["node"] and "node" in plan.available(slurm, 2)[0]
+    assert "no spare node" in available(slurm, 0)[1]["node"] and "node" in available(slurm, 2)[0]
     b = plan.schedule(slurm, steps=steps, step_s=step_s, mtbf_s=mtbf, kinds=["node", "crash"], seed=7, spares=2)
     lost = [p.fault for p in b if p.kind == "node"]
     assert len(lost) == 2 and all(f["kind"] == "node" and f["process"] in (2, 3) for f in lost), lost
+
+
+def test_each_kind_is_one_row_of_known_values():
+    """The table names only what the schedule and the trainer know: a typo in a row would land nowhere."""
+    from trainer.config import FAULT_KINDS, FAULT_PHASES, SupervisorConfig
+
+    timeouts = {f.name for f in dataclasses.fields(SupervisorConfig)}
+    for name, row in KINDS.items():
+        assert row.fires in FIRES and row.needs in ("", *NEEDS) and row.at_most in ("", *BUDGETS), name
+        assert row.by_drill or (row.fault or name) in FAULT_KINDS, name
+        assert row.phase in ("", *FAULT_PHASES) and (not row.hang_timeout or row.hang_timeout in timeouts), name
+        assert bool(row.phase) == (row.fires in ("restart", "phase")), name  # a hang outside a step names its phase
+        assert row.draws in ("", "how", "process"), name
+    assert set(HANG_TIMEOUTS) == {k for k in KINDS if k.startswith("hang")}
+    assert not RESTARTS & AFTER_RESTART  # failure_before reads a hang in a restart as taken, not as a failure
+
+
+def _same(faults: list[plan.Planned], want: list[tuple]) -> None:
+    got = [(p.kind, p.step, p.fault) for p in faults]
+    assert got == want and json.dumps(got) == json.dumps(want)  # each entry's keys in order too: drill.json's
+
+
+def test_a_seed_draws_the_same_plan_as_it_always_did():
+    """Plans pinned by value: a seed names one plan whatever shape the planner's code takes, so a drill can be
+    rerun and its plan read back."""
+    micro = load_config(TINY, [*MICRO, *DRILL_SETS])
+    _same(
+        plan.schedule(micro, steps=59, step_s=0.028, mtbf_s=1.0, kinds=DRILLED.split(","), seed=3),
+        [
+            ("corrupt", 9, {"kind": "corrupt", "step": 9, "how": "flip"}),
+            ("crash_mid_save", 50, {"kind": "crash_mid_save", "step": 50}),
+        ],
+    )
+    tiny = load_config(TINY)
+    _same(
+        plan.schedule(tiny, steps=400, step_s=0.1, mtbf_s=2.0, kinds=available(tiny)[0], seed=7),
+        [
+            ("hang", 7, {"kind": "hang", "step": 7}),
+            ("crash", 17, {"kind": "crash", "step": 17}),
+            ("corrupt", 19, {"kind": "corrupt", "step": 19, "how": "flip"}),
+            ("crash", 28, {"kind": "crash", "step": 28}),
+            ("hang_startup", 76, {"kind": "hang", "step": 1, "phase": "startup"}),
+            ("preempt", 77, None),
+            ("hang_startup", 88, {"kind": "hang", "step": 1, "phase": "startup"}),
+            ("preempt", 90, None),
+            ("hang_startup", 93, {"kind": "hang", "step": 1, "phase": "startup"}),
+            ("disk_full", 113, {"kind": "disk_full", "step": 113}),
+            ("preempt", 172, None),
+            ("crash", 190, {"kind": "crash", "step": 190}),
+            ("crash", 265, {"kind": "crash", "step": 265}),
+            ("hang", 281, {"kind": "hang", "step": 281}),
+            ("hang", 288, {"kind": "hang", "step": 288}),
+            ("preempt", 303, None),
+            ("disk_full", 311, {"kind": "disk_full", "step": 311}),
+            ("crash_after_save", 351, {"kind": "crash", "step": 351}),
+            ("ecc", 352, {"kind": "ecc", "step": 352}),
+            ("hang", 355, {"kind": "hang", "step": 355}),
+            ("hang", 371, {"kind": "hang", "step": 371}),
+            ("nan", 388, {"kind": "nan", "step": 388}),
+            ("corrupt", 392, {"kind": "corrupt", "step": 392, "how": "truncate"}),
+        ],
+    )
+    evals = load_config(TINY, ["eval.every_steps=25"])
+    rewinds = ["slow", "spike", "nan", "hang_checkpoint", "hang_eval", "crash_mid_save", "bitflip"]
+    _same(
+        plan.schedule(evals, steps=600, step_s=0.1, mtbf_s=6.0, kinds=rewinds, seed=1),
+        [
+            ("nan", 8, {"kind": "nan", "step": 8}),
+            ("bitflip", 26, {"kind": "bitflip", "step": 26}),
+            ("hang_eval", 112, {"kind": "hang", "step": 112, "phase": "eval"}),
+            ("bitflip", 175, {"kind": "bitflip", "step": 175}),
+            ("hang_eval", 189, {"kind": "hang", "step": 189, "phase": "eval"}),
+            ("hang_eval", 191, {"kind": "hang", "step": 191, "phase": "eval"}),
+            ("spike", 225, {"kind": "spike", "step": 225}),
+            ("hang_eval", 296, {"kind": "hang", "step": 296, "phase": "eval"}),
+            ("spike", 373, {"kind": "spike", "step": 373}),
+            ("hang_checkpoint", 427, {"kind": "hang", "step": 427, "phase": "checkpoint"}),
+            ("slow", 566, {"kind": "slow", "step": 566, "count": 20, "step_multiple": 3.0}),
+            ("bitflip", 567, {"kind": "bitflip", "step": 567}),
+        ],
+    )
+    slurm = load_config(TINY, ["launch.mode=slurm", "launch.processes=4", "launch.processes_per_node=2"])
+    lose = ["node", "corrupt", "slow", "hang_compile", "ecc", "crash"]
+    _same(
+        plan.schedule(slurm, steps=300, step_s=0.1, mtbf_s=2.0, kinds=lose, seed=1, spares=2),
+        [
+            ("node", 3, {"kind": "node", "step": 3, "process": 3}),
+            ("ecc", 5, {"kind": "ecc", "step": 5}),
+            ("crash", 18, {"kind": "crash", "step": 18}),
+            ("node", 49, {"kind": "node", "step": 49, "process": 3}),
+            ("hang_compile", 50, {"kind": "hang", "step": 1, "phase": "compile"}),
+            ("corrupt", 61, {"kind": "corrupt", "step": 61, "how": "torn"}),
+            ("crash", 72, {"kind": "crash", "step": 72}),
+            ("crash", 105, {"kind": "crash", "step": 105}),
+            ("hang_compile", 163, {"kind": "hang", "step": 50, "phase": "compile"}),
+            ("corrupt", 164, {"kind": "corrupt", "step": 164, "how": "torn"}),
+            ("hang_compile", 179, {"kind": "hang", "step": 100, "phase": "compile"}),
+            ("crash", 202, {"kind": "crash", "step": 202}),
+            ("crash", 228, {"kind": "crash", "step": 228}),
+            ("hang_compile", 233, {"kind": "hang", "step": 150, "phase": "compile"}),
+            ("crash", 289, {"kind": "crash", "step": 289}),
+            ("corrupt", 295, {"kind": "corrupt", "step": 295, "how": "torn"}),
+        ],
+    )
 
 
 def test_each_fault_is_matched_to_its_detection_and_the_first_step_past_where_the_run_was():
@@ -166,7 +279,7 @@ def test_a_drill_too_short_to_show_anything_is_refused_grown_or_failed():
 
     # the sizing: refused before anything runs, or grown at the same MTBF
     cfg = load_config(TINY)
-    kinds, _ = plan.available(cfg)
+    kinds, _ = available(cfg)
     with pytest.raises(plan.Refused) as e:  # before calibration: the MTBF and the hang timeouts alone
         plan.check(cfg, kinds, minutes=4, mtbf_s=12, named=False)
     line = str(e.value)
@@ -178,7 +291,7 @@ def test_a_drill_too_short_to_show_anything_is_refused_grown_or_failed():
         plan.check(cfg, kinds, minutes=4, mtbf_s=12, named=False, **cal)
     with pytest.raises(plan.Refused, match=r"--faults names 2 kind\(s\) \(crash, preempt\).*--min-kinds"):
         plan.check(cfg, ["crash", "preempt"], minutes=60, mtbf_s=12, named=True)
-    rest = [k for k in kinds if k not in plan.HANG_TIMEOUTS]
+    rest = [k for k in kinds if k not in HANG_TIMEOUTS]
     plan.check(cfg, rest, minutes=4, mtbf_s=12, named=True, **cal)  # ~4.5 min: within 1.5x of 4
     sized = plan.size(cfg, rest, minutes=4, mtbf_s=12, seed=5, **cal)
     assert sized.grown_from and sized.steps > sized.grown_from, sized  # 195 steps drew too few

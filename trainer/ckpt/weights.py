@@ -1,6 +1,7 @@
 """A run's trained weights outside its training loop: the params alone of one checkpoint (no optimizer state),
 restored onto one CPU device or onto a new run's mesh, whatever mesh and process count saved them; the model
-config and the tokenizer they were trained with. Used by `export`, `sample` and `train.init_from`.
+config they were trained with. Used by `export`, `sample` and `train.init_from` (the tokenizer they were
+trained with is found jax-free, by trainer.corpus.run_tokenizer).
 
 Which checkpoint is read (newest verified, or a named one; never a live run's unsealed one) is decided
 jax-free by trainer.observe.pick.
@@ -9,7 +10,6 @@ jax-free by trainer.observe.pick.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +22,12 @@ import orbax.checkpoint as ocp
 
 from trainer.ckpt.checkpoint import agreed
 from trainer.config import Config, ConfigError, ModelConfig
-from trainer.corpus import shards, tokenizer
 from trainer.model import hf
 from trainer.model.model import GPT
 from trainer.observe import pick
-from trainer.observe.events import iter_events
 from trainer.store import ckpt_files as checkpoint_files
-from trainer.store import manifest, rundir
+from trainer.store import manifest
 from trainer.store.ckpt_files import STATE
-from trainer.store.event_names import DATA_READY
 from trainer.yamltree import build
 
 absl.logging.set_verbosity(absl.logging.ERROR)  # Orbax's info lines ("metadata file does not exist", ...)
@@ -154,54 +151,3 @@ def init_source(cfg: Config) -> dict | None:
         "verified": picked.verified,
         **({"skipped": picked.notes} if picked.notes else {}),
     }
-
-
-@dataclasses.dataclass(frozen=True)
-class RunTokenizer:
-    name: str  # as meta.json names it: bytes | bpe:N | tokenizer.json sha256:... | tiktoken:NAME | imported tokens
-    eos_id: int
-    dir: Path | None  # the prepared DIR it was read from; None: the bytes tokenizer (no file to find)
-
-    @property
-    def file(self) -> Path | None:
-        """The Hugging Face tokenizer.json (bpe:N and tokenizer.json specs), exported with the model."""
-        f = self.dir / tokenizer.HF_FILE if self.dir else None
-        return f if f and f.is_file() else None
-
-    def load(self) -> tokenizer.Tok:
-        """The tokenizer itself (to encode and decode); ConfigError when the run has none."""
-        if self.name == IMPORTED:
-            raise ConfigError(
-                f"the run trained on imported token ids ({self.dir}): there is no tokenizer to "
-                f"encode or decode text with"
-            )
-        return tokenizer.of_prepared(self.name, self.file)
-
-
-IMPORTED = "imported tokens"  # meta.json's tokenizer for `prepare --from-tokens`
-
-
-def tokenizer_of(run_dir: Path | None, meta: dict) -> RunTokenizer:
-    """The tokenizer of the data the checkpoint was trained on: found through data.path or the run's
-    `data_ready` events, and checked against the checkpoint's data fingerprint."""
-    data = meta["config"]["data"]
-    ready = None
-    if run_dir is not None:  # every start logs one; the data cannot change on resume, so the first one suffices
-        ready = next((e for e in iter_events(Path(run_dir) / rundir.EVENTS) if e["event"] == DATA_READY), None)
-    places = [Path(p).expanduser() for p in (data["path"], (ready or {}).get("dir")) if p]
-    for d in places:
-        if shards.is_prepared(d):
-            prepared = json.loads((d / shards.META).read_text())
-            if prepared["fingerprint"] == meta["data_fingerprint"]:
-                return RunTokenizer(prepared["tokenizer"], prepared["eos_id"], d)
-    # The bytes tokenizer needs no file: enough to know that the run used it.
-    path = Path(data["path"]).expanduser()
-    raw = not data["path"] or (path.exists() and not shards.is_prepared(path))  # data.tokenizer applied to it
-    name = ready["tokenizer"] if ready else data["tokenizer"] if raw else None
-    if name == tokenizer.BYTES.name:
-        return RunTokenizer(name, tokenizer.BYTES.eos_id, None)
-    raise ConfigError(
-        f"the data this checkpoint was trained on (tokenizer {name or data['tokenizer']!r}, fingerprint "
-        f"{meta['data_fingerprint'][:12]}) is not where the run found it "
-        f"({', '.join(map(str, places)) or 'no data_ready event'}); prepare it again there"
-    )

@@ -200,7 +200,7 @@ def from_tokens(
     shards.write_meta(
         out,
         {
-            "tokenizer": "imported tokens",
+            "tokenizer": tokenizer.IMPORTED,
             "tokenizer_file": None,
             "vocab_size": vocab_size,
             "eos_id": eos_id,

@@ -26,6 +26,7 @@ EOT = "<|endoftext|>"
 EOS_NAMES = (EOT, "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "<|im_end|>")
 BYTES_VOCAB = 257
 HF_FILE = "tokenizer.json"  # a Hugging Face tokenizer, saved beside the shards of a prepared DIR
+IMPORTED = "imported tokens"  # meta.json's tokenizer for `prepare --from-tokens`: there is none to load
 SPEC_FORMS = "bytes, bpe:N (N >= 258), a path to a tokenizer.json, or a tiktoken encoding name (tiktoken:NAME)"
 
 

@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 
 from trainer.config import Config, Phase
-from trainer.drill.plan import AFTER_RESTART, KINDS, MIN_FAULTS, MIN_KINDS, RESTARTS, Planned
+from trainer.drill.kinds import AFTER_RESTART, KINDS, RESTARTS
+from trainer.drill.plan import MIN_FAULTS, MIN_KINDS, Planned
 from trainer.observe import audit
 from trainer.observe.alerts import Kind
 from trainer.store import ckpt_files as checkpoint_files

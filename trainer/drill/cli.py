@@ -25,6 +25,7 @@ from pathlib import Path
 
 from trainer.config import ConfigError, load_config
 from trainer.drill import checks, page, plan, run
+from trainer.drill.kinds import KINDS, available
 from trainer.observe.events import read_events
 from trainer.store import env_vars, rundir
 from trainer.supervise import exit_codes, nodes
@@ -38,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mtbf", type=float, default=40.0, metavar="SECONDS", help="mean seconds of training between faults"
     )
-    p.add_argument("--faults", default="", metavar="KINDS", help=f"comma-separated, of: {', '.join(plan.KINDS)}")
+    p.add_argument("--faults", default="", metavar="KINDS", help=f"comma-separated, of: {', '.join(KINDS)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--min-faults",
@@ -71,13 +72,13 @@ def _spares(cfg) -> int | None:
 
 
 def _kinds(cfg, asked: str, spares: int | None) -> list[str]:
-    can, why = plan.available(cfg, spares)
+    can, why = available(cfg, spares)
     if not asked:
         return can
     kinds = [k.strip() for k in asked.split(",") if k.strip()]
     for k in kinds:
-        if k not in plan.KINDS:
-            raise ConfigError(f"--faults: unknown kind {k!r}; one of {', '.join(plan.KINDS)}")
+        if k not in KINDS:
+            raise ConfigError(f"--faults: unknown kind {k!r}; one of {', '.join(KINDS)}")
         if k in why:
             raise ConfigError(f"--faults: {k} cannot be drilled with this config: {why[k]}")
     return kinds

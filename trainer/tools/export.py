@@ -22,6 +22,7 @@ import numpy as np
 
 from trainer.ckpt import weights
 from trainer.config import ConfigError, ModelConfig
+from trainer.corpus.run_tokenizer import RunTokenizer, tokenizer_of
 from trainer.model import hf
 from trainer.observe import pick
 from trainer.store.rundir import write_json
@@ -30,7 +31,7 @@ from trainer.train.state import params_sha256
 CONFIG, MODEL, TOKENIZER = hf.CONFIG, hf.MODEL, "tokenizer.json"
 
 
-def _tokenizer_files(tmp: Path, tok: weights.RunTokenizer, cfg: ModelConfig) -> list[str]:
+def _tokenizer_files(tmp: Path, tok: RunTokenizer, cfg: ModelConfig) -> list[str]:
     """The run's tokenizer.json and a tokenizer_config.json that makes it load as a fast tokenizer."""
     if tok.file is None:
         return []
@@ -50,14 +51,14 @@ def _tokenizer_files(tmp: Path, tok: weights.RunTokenizer, cfg: ModelConfig) -> 
     return [TOKENIZER, "tokenizer_config.json"]
 
 
-def _no_file(tok: weights.RunTokenizer) -> str:
+def _no_file(tok: RunTokenizer) -> str:
     """What to tell about a tokenizer that has no file to export."""
     if tok.name == "bytes":
         return "; tokenizer bytes has no file: ids 0-255 are UTF-8 bytes, 256 ends a text"
     return f"; tokenizer {tok.name!r} has no file to export (eos id {tok.eos_id})"
 
 
-def write(out: Path, loaded: weights.Loaded, tok: weights.RunTokenizer) -> list[str]:
+def write(out: Path, loaded: weights.Loaded, tok: RunTokenizer) -> list[str]:
     """The model directory, built beside `out` and renamed into place: a failure leaves no partial export."""
     from safetensors.numpy import save_file
 
@@ -145,7 +146,7 @@ def main(argv: list[str]) -> int:
         _check_out(out)
         picked = pick.pick(args.run_dir, args.step)
         loaded = weights.on_cpu(picked)
-        tok = weights.tokenizer_of(picked.run_dir, loaded.meta)
+        tok = tokenizer_of(picked.run_dir, loaded.meta)
         files = write(out, loaded, tok)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

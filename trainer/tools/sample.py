@@ -19,6 +19,7 @@ import numpy as np
 
 from trainer.ckpt import weights
 from trainer.config import ConfigError
+from trainer.corpus.run_tokenizer import tokenizer_of
 from trainer.model.model import GPT
 from trainer.observe import pick
 
@@ -111,7 +112,7 @@ def main(argv: list[str]) -> int:
                 raise ConfigError(f"{flag} must be >= {low}, got {v}")
         picked = pick.pick(args.run_dir, args.step)
         loaded = weights.on_cpu(picked)
-        run_tok = weights.tokenizer_of(picked.run_dir, loaded.meta)
+        run_tok = tokenizer_of(picked.run_dir, loaded.meta)
         tok = run_tok.load()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
