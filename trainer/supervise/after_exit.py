@@ -11,7 +11,7 @@ import time
 
 from trainer.observe import downtime, goodput, outcome
 from trainer.observe.events import read_events
-from trainer.store import rundir
+from trainer.store import rundir, summary
 from trainer.store.event_names import (
     GAVE_UP,
     PREEMPTED,
@@ -157,10 +157,8 @@ def write_ledger(sup: Session, step: int | None, *, final: bool = True) -> None:
     goodput.to_tensorboard(sup.run_dir / rundir.TENSORBOARD, ledger, restarts, step or 0)
     if not final:
         return
-    path = sup.run_dir / rundir.SUMMARY
-    summary = rundir.read_json(path) or {}
-    summary.update({k: ledger[k] for k in ("goodput", "recoveries_s", "downtime_s", "wall_s")}, restarts=restarts)
-    rundir.write_json(path, summary)
+    figures = {k: ledger[k] for k in ("goodput", "recoveries_s", "downtime_s", "wall_s")}
+    summary.update(sup.run_dir, **figures, restarts=restarts)
     if sup.cfg.log.report:
         from trainer.observe import report  # matplotlib: loaded only when a run ends
 
