@@ -7,7 +7,7 @@ checkpoint read; its one write is a file saying it is ready (heartbeat/standby-<
 
 What it costs while nothing fails: one idle process per worker holding the imported modules (207 MB of host
 memory measured, no GPU memory), and about a CPU-second for its imports, taken once the running group has
-trained 5 s (supervisor.STANDBY_AFTER_S), not beside its start. Never imports jax here: the supervisor
+trained 5 s (attempt.STANDBY_AFTER_S), not beside its start. Never imports jax here: the supervisor
 uses the first half, the worker the second.
 """
 
