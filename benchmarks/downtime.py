@@ -61,7 +61,7 @@ def _recovery(run: Path, t_fail: float) -> dict:
 
 
 def single(work: Path, *, standby: bool, kills: int) -> dict:
-    every = 24  # an attempt trains past supervisor.STANDBY_AFTER_S (5 s) and its standby's imports before a kill
+    every = 24  # an attempt trains past attempt.STANDBY_AFTER_S (5 s) and its standby's imports before a kill
     steps = every * (kills + 1) + 4
     run = work / ("single-standby" if standby else "single-cold")
     sets = [f"train.steps={steps}", f"checkpoint.every_steps={every}", f"run.compile_cache={CACHE}"]
@@ -101,7 +101,7 @@ def group(work: Path, corpus: Path, *, processes: int, freeze: bool = False) -> 
     ref = work / f"group{processes}-ref"
     if not ref.exists():
         harness.run(harness.trainer_cmd(harness.TINY, ref, *sets), work / f"{ref.name}.log", timeout=900)
-    # Steps slowed (timing only): the failure comes once the standby is ready (supervisor.STANDBY_AFTER_S)
+    # Steps slowed (timing only): the failure comes once the standby is ready (attempt.STANDBY_AFTER_S)
     slow = "faults=[{kind: slow, step: 2, seconds: 0.3, count: 60}]"
     with harness.Proc(harness.trainer_cmd(harness.TINY, run, *sets, slow), work / f"{run.name}.log") as proc:
         hb = harness.wait_for(

@@ -1249,8 +1249,8 @@ MUTATIONS = [
         "a drained straggler's node is not marked suspect: the group restarts on it again",
         (
             (
-                "trainer/supervise/supervisor.py",
-                '            att.proc.blame_node(v.node, f"straggler: {straggler.describe(v)}")\n',
+                "trainer/supervise/watch.py",
+                '        att.proc.blame_node(v.node, f"straggler: {straggler.describe(v)}")\n',
                 "",
             ),
         ),
@@ -1587,9 +1587,9 @@ MUTATIONS = [
         "a hang's blame reads every heartbeat again instead of the poll's snapshot",
         (
             (
-                "trainer/supervise/supervisor.py",
+                "trainer/supervise/watch.py",
                 "hang.hung_on(s.beats, snap.beats, snap.pulses)",
-                "hang.hung_on(s.beats, self._snapshot(att).beats, snap.pulses)",
+                "hang.hung_on(s.beats, snapshot(sup.run_dir, att).beats, snap.pulses)",
             ),
         ),
         ("tests/test_exit_policy.py::test_a_hang_reads_each_heartbeat_once_in_its_poll_and_once_after_the_exit",),
@@ -1676,9 +1676,9 @@ MUTATIONS = [
         "instead of stopping for a human (exit 81)",
         (
             (
-                "trainer/supervise/supervisor.py",
-                "if not storage.wait_for_room(self.run_dir, wait, self.events.write, step=step, stop=self._stopping):",
-                "if not storage.wait_for_room(self.run_dir, wait, self.events.write, step=step, stop=self._stopping) "
+                "trainer/supervise/after_exit.py",
+                "if not storage.wait_for_room(sup.run_dir, wait, sup.events.write, step=step, stop=sup.stopping):",
+                "if not storage.wait_for_room(sup.run_dir, wait, sup.events.write, step=step, stop=sup.stopping) "
                 "and False:",
             ),
         ),
@@ -1712,9 +1712,9 @@ MUTATIONS = [
         "supervisor.step_timeout_s, not seconds",
         (
             (
-                "trainer/supervise/supervisor.py",
-                "if self._check_hang(att, snap) or self._check_frozen(att, snap):",
-                "if self._check_hang(att, snap):",
+                "trainer/supervise/watch.py",
+                "if check_hang(sup, att, snap) or check_frozen(sup, att, snap):",
+                "if check_hang(sup, att, snap):",
             ),
         ),
         ("tests/test_multihost.py::test_kill_and_hang_tear_the_group_down_and_the_run_ends_identical",),
@@ -1726,7 +1726,7 @@ MUTATIONS = [
         "process went unnoticed disappears from the accounting)",
         (
             (
-                "trainer/supervise/supervisor.py",
+                "trainer/supervise/after_exit.py",
                 "failed = min(att.failed, noticed) if att.failed else "
                 "downtime.failed_at(ps, att.proc.cause_t, noticed)",
                 "failed = noticed",

@@ -16,8 +16,8 @@ from conftest import ROOT
 from trainer.config import SupervisorConfig, load_config
 from trainer.observe import heartbeat
 from trainer.store import rundir
+from trainer.supervise import after_exit, group, supervisor
 from trainer.supervise import exit_codes as ec
-from trainer.supervise import group, supervisor
 
 SC = SupervisorConfig(max_restarts=5, crash_loop_restarts=3, backoff_s=1.0, backoff_max_s=3.0)
 
@@ -159,7 +159,7 @@ def test_a_hang_reads_each_heartbeat_once_in_its_poll_and_once_after_the_exit(tm
     assert sup._wait(att) == -signal.SIGKILL
     assert att.hang and att.proc.signals == [signal.SIGUSR1, signal.SIGKILL]
     assert sorted(reads) == ["worker-0.json", "worker-1.json"], reads  # one poll, one read of each
-    ended = sup._ended(att, -signal.SIGKILL)
+    ended = after_exit.ended(sup, att, -signal.SIGKILL)
     assert len(reads) == 4 and (ended.step, ended.hung) == (9, True)
     # the event's name as a literal on purpose: the file on disk says "hang_detected" (its format, not E's spelling)
     [hang] = [json.loads(x) for x in (tmp_path / rundir.EVENTS).read_text().splitlines() if "hang_detected" in x]

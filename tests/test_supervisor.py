@@ -214,7 +214,7 @@ def test_restart_uses_the_compilation_cache(tmp_path, reference_run):
     run = tmp_path / "run"
     cache = tmp_path / "jax-cache"
     # Steps slowed from 2 on (timing only): the crash comes seconds after the first step, as any failure would,
-    # not before the supervisor starts the standby (supervisor.STANDBY_AFTER_S into the attempt's training).
+    # not before the supervisor starts the standby (attempt.STANDBY_AFTER_S into the attempt's training).
     run_trainer(
         run,
         f"run.compile_cache={cache}",

@@ -18,6 +18,7 @@ from trainer.observe import audit
 from trainer.observe.alerts import Kind
 from trainer.store import ckpt_files as checkpoint_files
 from trainer.store import rundir
+from trainer.store import summary as run_summary
 from trainer.store.event_names import (
     ALERT,
     ALERT_CLEARED,
@@ -285,8 +286,8 @@ def data_and_params(run_dir: Path, ref_dir: Path) -> dict:
         problems = rep.problems
     except FileNotFoundError as e:
         problems, stats = [f"no audit log: {e}"], {}
-    mine = rundir.read_json(run_dir / rundir.SUMMARY) or {}
-    ref = rundir.read_json(ref_dir / rundir.SUMMARY) or {}
+    mine = run_summary.read(run_dir) or {}
+    ref = run_summary.read(ref_dir) or {}
     return {
         "audit_problems": problems,
         "audit": {k: stats.get(k) for k in ("steps", "samples", "sessions", "compared_steps", "skips")},

@@ -28,6 +28,7 @@ from trainer.drill import checks, page, plan, run
 from trainer.drill.kinds import KINDS, available
 from trainer.observe.events import read_events
 from trainer.store import env_vars, rundir
+from trainer.store import summary as run_summary
 from trainer.supervise import exit_codes, nodes
 
 
@@ -156,7 +157,7 @@ def _drill(cfg, kinds: list[str], work: Path, args, spares: int) -> int:
     evs = read_events(run_dir / rundir.EVENTS)
     fired = run.fired(run_dir)
     rows = checks.faults(schedule, fired, drilled["preempts"], evs)
-    summary = rundir.read_json(run_dir / rundir.SUMMARY) or {}
+    summary = run_summary.read(run_dir) or {}
     gp = checks.goodput(summary, rows, cfg, cal["step_s"]) if summary.get("goodput") else None
     dp = checks.data_and_params(run_dir, ref_dir)
     failed = _failed(cfg, drilled, rows, dp, gp, ref)

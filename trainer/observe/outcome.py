@@ -12,7 +12,7 @@ from trainer.observe import goodput, runview
 from trainer.observe.events import events_newest_first, read_events
 from trainer.observe.progress import fmt_loss
 from trainer.store import ckpt_files as checkpoint_files
-from trainer.store import rundir
+from trainer.store import rundir, summary
 from trainer.store.event_names import (
     ATTEMPT_STARTS,
     INIT,
@@ -65,8 +65,7 @@ def begin_line(
 
 def complete_line(run_dir: Path, step: int) -> str:
     run_dir = Path(run_dir)
-    summary = rundir.read_json(run_dir / rundir.SUMMARY) or {}
-    loss = fmt_loss(summary.get("final_loss"))
+    loss = fmt_loss((summary.read(run_dir) or {}).get("final_loss"))
     parts = [f"run complete at step {step}: {run_dir / rundir.SUMMARY} (final loss {loss})"]
     if (md := run_dir / rundir.REPORT / rundir.REPORT_MD).is_file():
         parts.append(f"report {md}")
@@ -110,10 +109,10 @@ def finished(cfg: Config) -> str | None:
     newest = steps[-1]
     if newest < cfg.train.steps:
         return stopped_line(run_dir, newest)
-    summary = rundir.read_json(run_dir / rundir.SUMMARY)
-    if summary is not None and summary.get("final_step") == newest and "params_sha256" in summary:
+    have = summary.read(run_dir)
+    if have is not None and have.get("final_step") == newest and "params_sha256" in have:
         return complete_line(run_dir, newest)
-    note = _rebuild_summary(run_dir, newest, summary or {})
+    note = _rebuild_summary(run_dir, newest)
     return None if note is None else f"{complete_line(run_dir, newest)} ({note})"
 
 
@@ -134,10 +133,11 @@ def _same_run(run_dir: Path, cfg: Config) -> bool:
     return all(at(saved, k) == at(now, k) for k in SAME_RUN_KEYS)
 
 
-def _rebuild_summary(run_dir: Path, step: int, old: dict) -> str | None:
+def _rebuild_summary(run_dir: Path, step: int) -> str | None:
     """summary.json is missing, damaged or older than the final checkpoint: rebuild it from events.jsonl,
-    where the worker logged the same figures (run_complete) and the ledger's inputs. None when the worker
-    never finished (killed after its final save): it then runs again and finishes."""
+    where the worker logged the same figures (run_complete) and the ledger's inputs; of the old file only the
+    corpus fingerprint is kept. None when the worker never finished (killed after its final save): it then
+    runs again and finishes."""
     done = next(
         (
             e
@@ -151,19 +151,19 @@ def _rebuild_summary(run_dir: Path, step: int, old: dict) -> str | None:
     events = read_events(run_dir / rundir.EVENTS)
     led = goodput.ledger(events, events[0]["time"], events[-1]["time"])
     init = next((e for e in reversed(events) if e["event"] == INIT and "n_params" in e), {})
-    summary = {k: v for k, v in old.items() if k == "data_fingerprint"}
-    summary.update(
-        final_step=step,
-        final_loss=done.get("final_loss"),
-        params_sha256=done["params_sha256"],
-        **({"n_params": init["n_params"]} if init else {}),
-        goodput=led["goodput"],
-        restarts=sum(e["event"] == RESTART for e in events),
-        recoveries_s=led["recoveries_s"],
-        wall_s=led["wall_s"],
-    )
     try:
-        rundir.write_json(run_dir / rundir.SUMMARY, summary)
+        summary.update(
+            run_dir,
+            keep=("data_fingerprint",),
+            final_step=step,
+            final_loss=done.get("final_loss"),
+            params_sha256=done["params_sha256"],
+            **({"n_params": init["n_params"]} if init else {}),
+            goodput=led["goodput"],
+            restarts=sum(e["event"] == RESTART for e in events),
+            recoveries_s=led["recoveries_s"],
+            wall_s=led["wall_s"],
+        )
     except OSError as e:
         return f"summary.json is damaged and could not be rebuilt: {e.strerror}"
     return "summary.json was damaged or stale: rebuilt from events.jsonl"

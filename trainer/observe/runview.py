@@ -16,6 +16,7 @@ from trainer.observe import goodput, heartbeat
 from trainer.observe.events import iter_events
 from trainer.observe.heartbeat import Beat
 from trainer.store import rundir
+from trainer.store import summary as run_summary
 from trainer.store.event_names import (
     ALERT,
     ALERT_CLEARED,
@@ -65,7 +66,7 @@ def load(run_dir: str | Path) -> RunView:
         problems.append(f"config.yaml not usable ({e}); showing with default settings")
         cfg = Config()
     summary_path = run_dir / rundir.SUMMARY
-    summary = rundir.read_json(summary_path)
+    summary = run_summary.read(run_dir)
     if summary is None and summary_path.exists():
         problems.append(f"{summary_path} is damaged (not a JSON object); re-run the training command to rewrite it")
     torn: list[str] = []

@@ -7,7 +7,7 @@ checkpoint read; its one write is a file saying it is ready (heartbeat/standby-<
 
 What it costs while nothing fails: one idle process per worker holding the imported modules (host memory,
 no GPU memory), and the CPU time of its imports, taken once the running group has trained
-supervisor.STANDBY_AFTER_S, not beside its start (docs/multihost.md has the numbers). Never imports jax here:
+attempt.STANDBY_AFTER_S, not beside its start (docs/multihost.md has the numbers). Never imports jax here:
 the supervisor uses the first half, the worker the second.
 """
 

@@ -1,12 +1,11 @@
 """Reads the measured checkpoint stall, restart downtime and healthy MFU of a trainer run dir (`survival --from-run`).
 
-Stdlib only (plus the run's event reader): the checkpoint policy reaches the survival model, which must
+Stdlib only (plus the run's event and summary readers): the checkpoint policy reaches the survival model, which must
 stay import-light.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections.abc import Iterator
@@ -14,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.observe.events import iter_events
-from trainer.store import rundir
+from trainer.store import rundir, summary
 from trainer.store.event_names import CHECKPOINT_SAVED, DOWNTIME, STEP
 
 
@@ -32,16 +31,17 @@ def _events(path: Path, notes: list[str]) -> Iterator[dict[str, Any]]:
         notes.append(f"skipped {len(bad)} unreadable lines in {path.name}")
 
 
-def _restart_from_summary(path: Path) -> tuple[float | None, str]:
+def _restart_from_summary(run_dir: Path) -> tuple[float | None, str]:
+    name = rundir.SUMMARY
     try:
-        summary = json.loads(path.read_text())
-        seconds = summary["goodput"]["seconds"]["restart"]
-        restarts = summary["restarts"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None, f"no usable goodput.seconds.restart / restarts in {path.name}"
+        s = summary.read(run_dir)  # None when missing or damaged: a TypeError below
+        seconds = s["goodput"]["seconds"]["restart"]
+        restarts = s["restarts"]
+    except (KeyError, TypeError):
+        return None, f"no usable goodput.seconds.restart / restarts in {name}"
     if not (_nonneg(seconds) and _nonneg(restarts)) or restarts <= 0:
-        return None, f"{path.name} records no restarts"
-    return seconds / restarts, f"restart: {seconds:.0f} s over {restarts} restarts in {path.name}"
+        return None, f"{name} records no restarts"
+    return seconds / restarts, f"restart: {seconds:.0f} s over {restarts} restarts in {name}"
 
 
 def load_run(run_dir: Path) -> tuple[dict[str, float], list[str]]:
@@ -70,7 +70,7 @@ def load_run(run_dir: Path) -> tuple[dict[str, float], list[str]]:
             f"mfu: median of {len(mfus)} step events"
             + ("" if causal else " (logged before issue 47: it counts the whole L x L attention, not the causal half)")
         )
-    restart_s, note = _restart_from_summary(run_dir / rundir.SUMMARY)
+    restart_s, note = _restart_from_summary(run_dir)
     if downs:  # measured failure by failure, the time before the supervisor knew included
         restart_s, note = statistics.median(downs), f"restart: median downtime of {len(downs)} downtime events"
     if restart_s is not None:

@@ -10,7 +10,7 @@ import time
 from trainer.config import Phase
 from trainer.observe.alerts import Do
 from trainer.observe.events import iter_events, newest_record
-from trainer.store import rundir
+from trainer.store import rundir, summary
 from trainer.store.ckpt_files import DURABLE
 from trainer.store.event_names import (
     CHECKPOINT_FAILED,
@@ -45,18 +45,18 @@ def finish(w: Worker, st, step: int, loss: float | None) -> None:
     if loss is None:  # restored the final checkpoint (killed before this ran): the loss was logged back then
         loss = (newest_record(w.run_dir / rundir.EVENTS, STEP, step) or {}).get("loss")
     digest = params_sha256(st["params"])
-    if w.primary:
-        summary = {
-            "final_step": step,
-            "final_loss": loss,
-            "params_sha256": digest,
-            "n_params": w.n_params,
-            "data_fingerprint": w.corpus.fingerprint,
-        }
-        # wall_s spans the whole run: the supervisor's ledger (if any) replaces this worker-only figure.
+    if w.primary:  # a fresh summary.json: the supervisor's ledger (if any) adds to it and replaces wall_s
         first = next(iter_events(w.run_dir / rundir.EVENTS))["time"]
-        summary["wall_s"] = time.time() - first
-        rundir.write_json(w.run_dir / rundir.SUMMARY, summary)
+        summary.update(
+            w.run_dir,
+            keep=(),
+            final_step=step,
+            final_loss=loss,
+            params_sha256=digest,
+            n_params=w.n_params,
+            data_fingerprint=w.corpus.fingerprint,
+            wall_s=time.time() - first,
+        )
     w.events.write(RUN_COMPLETE, step=step, final_loss=loss, params_sha256=digest)
     w.heartbeat.beat(Phase.DONE, step)
 

@@ -28,7 +28,7 @@ from trainer.observe import outcome
 from trainer.observe.audit import AuditLog
 from trainer.parallel import agree
 from trainer.parallel import mesh as mesh_lib
-from trainer.store import env_vars, rundir
+from trainer.store import env_vars, rundir, summary
 from trainer.store.ckpt_files import DURABLE, committed_steps, durable_dir
 from trainer.store.event_names import (
     CHECKPOINT_INTERVAL,
@@ -392,5 +392,5 @@ def _measured_restart_s(w: Worker) -> float | None:
     """Mean recovery time of this run so far (from the supervisor's ledger), for the "auto" interval; None
     before the first recovery, when this attempt's own start-up time stands in for it (a lower bound: a
     real restart adds detection and relaunch)."""
-    rec = (rundir.read_json(w.run_dir / rundir.SUMMARY) or {}).get("recoveries_s", [])
+    rec = (summary.read(w.run_dir) or {}).get("recoveries_s", [])
     return sum(rec) / len(rec) if rec else None
