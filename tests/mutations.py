@@ -1911,4 +1911,28 @@ MUTATIONS = [
         ("tests/test_checkpoint.py::test_a_durable_dir_elsewhere_holds_the_run_and_every_reader_finds_it",),
         catch="assert moved.returncode == 2",
     ),
+    M(
+        "summary_keeps_every_old_key",
+        "summary.json's update carries every old key over, whatever the writer keeps (a fresh worker's summary or a"
+        " rebuild keeps a stale ledger)",
+        (("trainer/store/summary.py", "keep = None if keep is None else set(keep)", "keep = None"),),
+        (
+            "tests/test_rundir.py::"
+            "test_summary_json_merges_in_place_starts_afresh_or_keeps_named_keys_and_refuses_unknown_ones",
+        ),
+        catch='summary.read(tmp_path) == {"data_fingerprint": "fp", "final_step": 12, "restarts": 2}',
+    ),
+    M(
+        "restore_reads_a_held_copy_over_its_own",
+        "a local restore reads a process's shards from a copy a peer holds even when the process has its own",
+        (
+            (
+                "trainer/ckpt/holdings.py",
+                "key=lambda pc: (pc[0] != t, pc[1].item != STATE, pc[0])",
+                "key=lambda pc: (pc[0] == t, pc[1].item != STATE, pc[0])",
+            ),
+        ),
+        ("tests/test_tiers.py::test_a_local_step_is_a_candidate_only_when_every_process_has_a_copy_somewhere",),
+        catch="found[12, LOCAL] == Candidate(12, LOCAL,",
+    ),
 ]
