@@ -392,7 +392,8 @@ SHARDED_RESTORE = """
 import hashlib, json, sys
 from pathlib import Path
 from trainer.config import Config, MeshConfig
-from trainer.ckpt import checkpoint, files
+from trainer.ckpt import checkpoint
+from trainer.store import ckpt_files as files
 from trainer.model import hf
 from trainer.train import optim, state
 from trainer.parallel.mesh import make_mesh
