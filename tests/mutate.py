@@ -439,8 +439,8 @@ def problems(mutations: list[Mutation], root: Path = ROOT) -> list[str]:
 
 
 def baseline(chosen: list[Mutation], timeout: float, workers: int) -> tuple[int, int, float]:
-    """Run every test the chosen mutations name on an unmutated copy: (passed, failed, seconds). A mutation
-    table means something only on a green baseline."""
+    """Run every test the chosen mutations name on an unmutated copy: (passed, failed, seconds), each failure
+    named on stdout with its first line. A mutation table means something only on a green baseline."""
     tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
     with tempfile.TemporaryDirectory(prefix="mutant-baseline-") as d:
         dest = Path(d)
@@ -449,8 +449,11 @@ def baseline(chosen: list[Mutation], timeout: float, workers: int) -> tuple[int,
         if xml is None:
             return 0, len(tests), secs
         cases = list(ET.parse(xml).getroot().iter("testcase"))
-        failed = sum(c.find("failure") is not None or c.find("error") is not None for c in cases)
-        return len(cases) - failed, failed + max(0, len(tests) - len(cases)), secs
+        bad = [c for c in cases if c.find("failure") is not None or c.find("error") is not None]
+        for c in bad:
+            why = (c.find("failure") if c.find("failure") is not None else c.find("error")).get("message") or ""
+            print(f"baseline failed: {c.get('classname')}::{c.get('name')}: {why.splitlines()[0] if why else ''}")
+        return len(cases) - len(bad), len(bad) + max(0, len(tests) - len(cases)), secs
 
 
 def main() -> int:
