@@ -60,10 +60,16 @@ def test_kill_and_hang_tear_the_group_down_and_the_run_ends_identical(tmp_path, 
     # 1st attempt: process 1 died by SIGKILL, the supervisor tore process 0 down.
     assert exits[0]["signal"] == "SIGKILL" and exits[0]["exits"][0] == [1, -9] and exits[0]["torn_down"] == [0]
     kill_teardown_s = exits[0]["time"] - t_kill
-    # Left alone, the survivor waits in its broken collective until the hang detector kills it a step timeout
-    # later, or, if the collective raises, leaves by itself PEER_DEATH_GRACE_S after the error (exit
-    # PEER_LOST): the launcher's SIGKILL comes first.
-    assert exits[0]["exits"][1] == [0, -signal.SIGKILL], (kill_teardown_s, exits[0])
+    # Left alone, the survivor waits in its broken collective until the frozen check names its dead peer (a
+    # pulse PULSE_STALE_S old) or the hang detector kills it a step timeout later, or, if the collective raises,
+    # leaves by itself PEER_DEATH_GRACE_S after the error (exit PEER_LOST): the launcher's SIGKILL comes first,
+    # before any verdict of those checks.
+    first_hang = next(e for e in evs if e["event"] == E.HANG_DETECTED)
+    assert exits[0]["exits"][1] == [0, -signal.SIGKILL] and first_hang["time"] > exits[0]["time"], (
+        kill_teardown_s,
+        exits[0],
+        first_hang,
+    )
     assert kill_teardown_s < step_timeout_s, kill_teardown_s
     # 2nd attempt: process 0 hung at step 22 (process 1 waits in a collective); both killed after the timeout,
     # the kill following the stack dump before another step timeout could pass.
